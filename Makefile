@@ -1,0 +1,29 @@
+# Set-up and the two README commands. The venv gets the CPU build of torch
+# (torch==2.13.0); with a GPU, pass another spec, e.g.
+#   make demo TORCH_SPEC=torch        (PyPI's default Linux build, with CUDA)
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup demo test test-slow clean
+
+setup: $(VENV)/.ready
+
+$(VENV)/.ready: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+demo: setup
+	$(PY) -m experiments.demo
+
+test: setup
+	$(PY) -m pytest -q
+
+test-slow: setup
+	$(PY) -m pytest -q -m slow
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,0 +1,13 @@
+"""pipedp: faster PyTorch CNN training without changing the model.
+
+``pipedp.wrap(model, ...)`` cuts an unmodified model into balanced stages and
+trains it as a microbatch pipeline (GPipe or 1F1B), with stages on separate
+CUDA streams of one GPU or on several devices. A step equals plain PyTorch
+training with gradient accumulation over the same microbatches.
+"""
+
+from .engine import Engine, wrap
+from .plan import Plan, StagePlan
+
+__all__ = ["wrap", "Engine", "Plan", "StagePlan"]
+__version__ = "0.1.0"

@@ -1,0 +1,475 @@
+"""``pipedp.wrap``: an unmodified model, cut into balanced stages, trained as a microbatch pipeline.
+
+The engine owns one training step end to end: split the batch into
+microbatches, run the schedule over the stages, step the optimizer. A step
+equals plain PyTorch running the same microbatches with gradient accumulation
+(each microbatch's mean loss weighted by its share of the batch) followed by the
+same optimizer step. ``engine.module`` is the user's own model object: no
+parameter or buffer is copied or renamed, so checkpoints load into plain code.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, Iterable, Sequence, Union
+
+import torch
+from torch import nn
+
+from .partition.blocks import Block, Chain, blocks_of, check_chain, module_mode
+from .partition.profile import BlockProfile, estimate_blocks, preserved_state, profile_blocks
+from .pipeline import microbatch
+from .pipeline.batchnorm import DeferredBatchNorm
+from .pipeline.executor import Executor, StepTimer
+from .pipeline.graphed import StepGraph, captured_call, hyper_signature
+from .pipeline.schedule import get_schedule
+from .pipeline.stage import Stage
+from .pipeline.stream import new_lane
+from .plan import Plan
+from .planner import StagesSpec, build_plan, resolve_counts, stage_devices
+
+__all__ = ["Engine", "wrap"]
+
+DeviceSpec = Union[None, str, int, torch.device, Sequence[Union[str, int, torch.device]]]
+OptimizerSpec = Union[None, torch.optim.Optimizer, Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]]
+BATCHNORM_MODES = ("microbatch", "batch")
+
+
+def _check_positive_int(name: str, v: object) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{name} must be a positive int, got {v!r}")
+    return v
+
+
+def resolve_devices(model: nn.Module, devices: DeviceSpec) -> list[torch.device]:
+    """The devices to run on, checked: they must exist on this machine."""
+    if devices is None:
+        p = next(model.parameters(), None)
+        items: list[Any] = [p.device if p is not None else torch.device("cpu")]
+    elif isinstance(devices, (str, int, torch.device)):
+        items = [devices]
+    else:
+        items = list(devices)
+    if not items:
+        raise ValueError("devices is empty: pass None (the model's device), a device, or a list of devices")
+    out: list[torch.device] = []
+    for d in items:
+        try:
+            dev = torch.device(d)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"devices: {d!r} is not a device ({e}); use e.g. 'cpu', 'cuda', 'cuda:1'") from None
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(
+                    f"devices asks for {dev} but CUDA is not available here: use devices='cpu', "
+                    f"or install a CUDA build of torch"
+                )
+            n = torch.cuda.device_count()
+            idx = torch.cuda.current_device() if dev.index is None else dev.index
+            if idx >= n:
+                raise ValueError(f"devices asks for {dev} but this machine has {n} CUDA device(s): cuda:0..cuda:{n - 1}")
+            dev = torch.device("cuda", idx)
+        elif dev.type != "cpu":
+            raise ValueError(f"devices: {dev} is not supported; pipedp runs on 'cpu' and 'cuda' devices")
+        out.append(dev)
+    if len(set(out)) != len(out):
+        raise ValueError(
+            f"devices {[str(d) for d in out]} lists a device twice; list each device once "
+            f"(several stages share a device on their own when stages > len(devices))"
+        )
+    return out
+
+
+class _BufferSnapshot:
+    """Copies of all buffers, so a failed step can put BatchNorm statistics back."""
+
+    def __init__(self, model: nn.Module) -> None:
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for b in model.buffers():
+            groups.setdefault((b.device, b.dtype), []).append(b)
+        self.groups = list(groups.values())
+        self.saved: list[list[torch.Tensor]] | None = None
+
+    def save(self) -> None:
+        with torch.no_grad():
+            if self.saved is None:
+                self.saved = [[b.clone() for b in g] for g in self.groups]
+            else:
+                for dst, src in zip(self.saved, self.groups):
+                    torch._foreach_copy_(dst, src)
+
+    def restore(self) -> None:
+        if self.saved is None:
+            return
+        with torch.no_grad():
+            for dst, src in zip(self.groups, self.saved):
+                torch._foreach_copy_(dst, src)
+
+
+def _move_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    for p, state in optimizer.state.items():
+        for k, v in list(state.items()):
+            if isinstance(v, torch.Tensor) and v.device != p.device and v.dim() > 0:
+                state[k] = v.to(p.device)
+
+
+def _surrogate_loss(out: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
+    return out.float().mean()
+
+
+class Engine:
+    """A model trained as a microbatch pipeline (:func:`wrap` builds one).
+
+    Args:
+        model: the unmodified model (``nn.Sequential``, torchvision-style ResNet,
+            or an fx-traceable chain); it stays the same object (``engine.module``).
+        optimizer: an optimizer built on ``model.parameters()``, or a factory.
+        loss_fn: ``loss_fn(output, target) -> scalar`` with a mean reduction.
+        microbatches: microbatches per batch.
+        stages: ``"auto"``, a number of stages, or block counts per stage.
+        schedule: ``"1f1b"`` (less activation memory) or ``"gpipe"``.
+        devices: device(s) for the stages; default the model's device. Several
+            stages may share one CUDA device, each on its own stream.
+        batchnorm: ``"microbatch"`` (running stats per microbatch, like GPipe) or
+            ``"batch"`` (one update per step from the whole batch).
+        profile: measure block times (True) or use the FLOP/byte cost model.
+        depth: how many levels of nested ``nn.Sequential`` to cut into.
+        sample: a batch (or its shape) to plan with now; else the first batch.
+        measure_steps: training steps (after the first) timed per stage for ``engine.plan``.
+        progress: show a progress bar while profiling takes long.
+        cuda_graph: on one CUDA device, capture the whole step (all stages'
+            streams, loss, optimizer) as a CUDA graph after two eager steps and
+            replay it; removes per-kernel launch cost. Optimizers with step
+            counters need ``capturable=True``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        optimizer: OptimizerSpec = None,
+        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
+        microbatches: int = 4,
+        stages: StagesSpec = "auto",
+        schedule: str = "1f1b",
+        devices: DeviceSpec = None,
+        batchnorm: str = "microbatch",
+        profile: bool = True,
+        depth: int = 1,
+        sample: torch.Tensor | Sequence[int] | None = None,
+        measure_steps: int = 3,
+        progress: bool = True,
+        cuda_graph: bool = False,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        self.module = model
+        self.microbatches = _check_positive_int("microbatches", microbatches)
+        get_schedule(schedule)
+        self.schedule = schedule
+        if batchnorm not in BATCHNORM_MODES:
+            raise ValueError(f"batchnorm must be one of {BATCHNORM_MODES}, got {batchnorm!r}")
+        self.batchnorm = batchnorm
+        self.depth = _check_positive_int("depth", depth)
+        if not (stages == "auto" or isinstance(stages, (int, list, tuple))) or isinstance(stages, bool):
+            raise ValueError(f"stages must be an int, 'auto' or a list of block counts, got {stages!r}")
+        self._stages_spec = stages
+        self.devices = resolve_devices(model, devices)
+        self.profile = bool(profile)
+        self.progress = progress
+        self.measure_steps = max(int(measure_steps), 0)
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable (output, target) -> scalar, got {type(loss_fn).__name__}")
+        self.loss_fn = loss_fn
+        self.optimizer = self._make_optimizer(optimizer)
+        self.steps = 0
+        self.executor: Executor | None = None
+        self._plan: Plan | None = None
+        self._timers: list[StepTimer] = []
+        self._bn: DeferredBatchNorm | None = None
+        self._snapshot: _BufferSnapshot | None = None
+        self._graph: StepGraph | None = None
+        if cuda_graph:
+            if len(self.devices) != 1 or self.devices[0].type != "cuda":
+                raise ValueError(
+                    f"cuda_graph=True needs all stages on one CUDA device, got devices "
+                    f"{[str(d) for d in self.devices]}: pass devices='cuda' or cuda_graph=False"
+                )
+            self._graph = StepGraph(self._graph_body)
+        if sample is not None:
+            if not isinstance(sample, torch.Tensor):
+                shape = tuple(int(v) for v in sample)
+                p = next(model.parameters(), None)
+                sample = torch.randn(shape, dtype=p.dtype if p is not None else torch.float32)
+            self._build(sample)
+
+    # -- construction ---------------------------------------------------------------------------
+    def _make_optimizer(self, optimizer: OptimizerSpec) -> torch.optim.Optimizer | None:
+        if optimizer is None:
+            return None
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            if not callable(optimizer):
+                raise TypeError(
+                    f"optimizer must be a torch.optim.Optimizer or a factory params -> Optimizer, "
+                    f"got {type(optimizer).__name__}"
+                )
+            optimizer = optimizer(self.module.parameters())
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise TypeError(f"the optimizer factory returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
+        mine = {id(p) for p in self.module.parameters()}
+        foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in mine]
+        if foreign:
+            raise ValueError(
+                f"the optimizer holds {len(foreign)} parameter(s) that are not the model's: "
+                f"build it on model.parameters() of the model you wrap (or pass a factory)"
+            )
+        return optimizer
+
+    def _build(self, batch: torch.Tensor) -> None:
+        m = self.microbatches
+        sizes = microbatch.sizes(batch.shape[0], m)
+        first = self.devices[0]
+        model = self.module
+        model.to(first)
+        sample = batch[: sizes[0]].to(first)
+        if self._stages_spec == 1:
+            blocks, copy_input = [Block("model", model)], [False]
+        else:
+            blocks = blocks_of(model, depth=self.depth)
+            copy_input = check_chain(model, blocks, sample)
+        self._copy_input = copy_input
+        with preserved_state(model, self.devices), module_mode(model, training=True):
+            if self.profile:
+                profiles = profile_blocks(blocks, sample, progress=self.progress, copy_input=copy_input)
+            else:
+                profiles = estimate_blocks(blocks, sample)
+            measure = lambda counts: self._trial_ms(blocks, counts, batch)  # noqa: E731
+            counts, notes = resolve_counts(
+                profiles, self._stages_spec, self.devices, m, self.schedule, measure=measure
+            )
+        devs = stage_devices(len(counts), self.devices)
+        if len(self.devices) > 1:
+            notes = notes + [f"blocks were profiled on {first}; the other devices are assumed alike"]
+        if len(set(devs)) < len(self.devices):
+            notes = notes + [f"{len(counts)} stage(s) use {len(set(devs))} of {len(self.devices)} devices"]
+        self.executor = self._make_executor(blocks, counts, profiles)
+        if self.optimizer is not None:
+            _move_optimizer_state(self.optimizer)
+        self._plan = build_plan(
+            profiles, counts, self.devices, microbatches=m, microbatch_size=sizes[0],
+            schedule=self.schedule, batchnorm=self.batchnorm,
+            source="profile" if self.profile else "cost model", notes=notes,
+        )
+        if self.batchnorm == "batch":
+            self._bn = DeferredBatchNorm(model)
+        self._snapshot = _BufferSnapshot(model)
+
+    def _make_executor(
+        self, blocks: Sequence[Block], counts: Sequence[int], profiles: Sequence[BlockProfile] | None = None
+    ) -> Executor:
+        devs = stage_devices(len(counts), self.devices)
+        stages, start = [], 0
+        for s, k in enumerate(counts):
+            chain = Chain(list(blocks[start : start + k])).to(devs[s])
+            lane = new_lane(devs[s], f"stage{s}")
+            stages.append(Stage(s, chain, devs[s], lane, copy_input=self._copy_input[start]))
+            start += k
+        duration = None
+        if profiles is not None:
+            fwd, bwd, start = [], [], 0
+            for k in counts:
+                fwd.append(sum(p.forward_ms for p in profiles[start : start + k]))
+                bwd.append(sum(p.backward_ms for p in profiles[start : start + k]))
+                start += k
+            duration = lambda s, a: fwd[s] if a.kind == "F" else bwd[s]  # noqa: E731
+        return Executor(stages, get_schedule(self.schedule)(len(counts), self.microbatches), duration=duration)
+
+    def _trial_ms(self, blocks: Sequence[Block], counts: list[int], batch: torch.Tensor) -> float:
+        """Median time of a few forward+backward passes of one candidate cut (no optimizer step).
+
+        With ``cuda_graph`` the candidate is timed captured, as it will run.
+        """
+        ex = self._make_executor(blocks, counts)
+        x = batch.to(self.devices[0])
+        xs = microbatch.split(x, self.microbatches)
+        ys = [t.to(ex.stages[-1].device) for t in xs]
+        w = microbatch.shares([t.shape[0] for t in xs])
+
+        def run() -> object:
+            return ex.train(xs, ys, w, _surrogate_loss)
+
+        if self._graph is not None:
+            run = captured_call(run, self.devices[0], before=lambda: self.module.zero_grad(set_to_none=True))
+        times = []
+        for r in range(4):
+            _sync(self.devices)
+            t0 = time.perf_counter()
+            run()
+            _sync(self.devices)
+            if r:
+                times.append((time.perf_counter() - t0) * 1e3)
+        self.module.zero_grad(set_to_none=True)
+        return statistics.median(times)
+
+    # -- public API -----------------------------------------------------------------------------
+    @property
+    def plan(self) -> Plan:
+        """Stages, devices, predicted and (after the first steps) measured ms per stage."""
+        if self._plan is None:
+            raise RuntimeError(
+                "the plan is made from the first batch: pass sample=<a batch or its shape> to wrap(), "
+                "or run train_step()/engine(x) first"
+            )
+        if self._timers and self.executor is not None:
+            per_step = [t.stage_ms() for t in self._timers]
+            m = self.microbatches
+            measured = [statistics.median(step[s] for step in per_step) / m for s in range(len(per_step[0]))]
+            self._plan = self._plan.with_measured(measured)
+            self._timers = []
+        return self._plan
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """One optimizer step on the batch ``(x, y)``; returns the detached batch-mean loss.
+
+        The loss stays on the device (no host sync); call ``.item()`` when needed.
+        If the step fails, parameters, optimizer state and buffers are as before.
+        """
+        if self.optimizer is None or self.loss_fn is None:
+            raise RuntimeError("train_step needs wrap(..., optimizer=..., loss_fn=...)")
+        if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+            raise TypeError(f"train_step takes tensors (x, y), got {type(x).__name__}, {type(y).__name__}")
+        if x.dim() == 0 or y.dim() == 0 or x.shape[0] != y.shape[0]:
+            raise ValueError(
+                f"x and y must share the batch dimension 0, got shapes {tuple(x.shape)} and {tuple(y.shape)}"
+            )
+        microbatch.sizes(x.shape[0], self.microbatches)  # clear error for a batch too small
+        if self.executor is None:
+            self._build(x)
+        ex = self.executor
+        assert ex is not None
+        x = x.to(ex.stages[0].device, non_blocking=True)
+        y = y.to(ex.stages[-1].device, non_blocking=True)
+        graph = self._graph
+        if graph is not None:
+            hyper = hyper_signature(self.optimizer)
+            if not graph.replayable(x, y, hyper) and graph.due(x, y, hyper):
+                graph.capture(x, y, hyper, before=lambda: self.module.zero_grad(set_to_none=True))
+            if graph.replayable(x, y, hyper):
+                loss = graph.replay(x, y)
+                self.steps += 1
+                return loss
+            graph.note_eager(x, y, hyper)
+        timer = StepTimer(len(ex.stages)) if 1 <= self.steps <= self.measure_steps else None
+        self._zero_grads()
+        assert self._snapshot is not None
+        self._snapshot.save()
+        try:
+            loss = self._forward_backward(x, y, timer)
+        except BaseException:
+            self._recover()
+            raise
+        self._update()
+        self.steps += 1
+        if timer is not None:
+            self._timers.append(timer)
+        return loss
+
+    def _forward_backward(self, x: torch.Tensor, y: torch.Tensor, timer: StepTimer | None = None) -> torch.Tensor:
+        assert self.executor is not None and self.loss_fn is not None
+        xs, ys = microbatch.split(x, self.microbatches), microbatch.split(y, self.microbatches)
+        weights = microbatch.shares([t.shape[0] for t in xs])
+        if self._bn is not None:
+            self._bn.begin()
+        return self.executor.train(xs, ys, weights, self.loss_fn, timer)
+
+    def _update(self) -> None:
+        assert self.optimizer is not None
+        if self._bn is not None:
+            self._bn.commit()
+        self.optimizer.step()
+
+    def _graph_body(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = self._forward_backward(x, y)
+        self._update()
+        return loss
+
+    def _zero_grads(self) -> None:
+        # Once a CUDA graph holds the gradient buffers they are zeroed in place.
+        self.module.zero_grad(set_to_none=self._graph is None or not self._graph.captured)
+
+    def _recover(self) -> None:
+        assert self.executor is not None and self._snapshot is not None
+        self.executor._join()
+        if self._bn is not None:
+            self._bn.abort()
+        self._snapshot.restore()
+        self._zero_grads()
+
+    @torch.no_grad()
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Forward-only pipelined inference in the module's current mode (see :meth:`eval`)."""
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
+            raise TypeError("engine(x) takes a batched tensor")
+        if self.executor is None:
+            self._build(x)
+        ex = self.executor
+        assert ex is not None
+        x = x.to(ex.stages[0].device, non_blocking=True)
+        if x.shape[0] < self.microbatches:  # too small to pipeline: run the stages in turn
+            for st in ex.stages:
+                x = st(x.to(st.device))
+            return x
+        return microbatch.gather(ex.forward(microbatch.split(x, self.microbatches)))
+
+    def eval(self) -> "Engine":
+        self.module.eval()
+        return self
+
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model (keys unchanged), optimizer and engine state."""
+        return {
+            "model": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "engine": {"steps": self.steps, "format": 1},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or not {"model", "optimizer", "engine"} <= set(state):
+            raise ValueError(
+                "not an engine checkpoint (needs keys 'model', 'optimizer', 'engine'); "
+                "to load plain model weights use engine.module.load_state_dict(...)"
+            )
+        self.module.load_state_dict(state["model"])
+        if self._graph is not None:
+            # The optimizer gets new state tensors; a captured step would update the old ones.
+            self._graph.reset()
+            self.module.zero_grad(set_to_none=True)
+        if state["optimizer"] is not None:
+            if self.optimizer is None:
+                raise ValueError("the checkpoint has optimizer state but this engine has no optimizer")
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.steps = int(state["engine"].get("steps", 0))
+
+    def __repr__(self) -> str:
+        built = f"{len(self.executor.stages)} stages" if self.executor else "not built"
+        return f"Engine({type(self.module).__name__}, {built}, microbatches={self.microbatches}, schedule={self.schedule})"
+
+
+def _sync(devices: Sequence[torch.device]) -> None:
+    for d in devices:
+        if d.type == "cuda":
+            torch.cuda.synchronize(d)
+
+
+def wrap(model: nn.Module, **options: Any) -> Engine:
+    """Cut ``model`` into balanced stages and train it as a microbatch pipeline.
+
+    Takes the keyword options of :class:`Engine` (optimizer, loss_fn,
+    microbatches, stages, schedule, devices, batchnorm, cuda_graph, ...).
+    """
+    return Engine(model, **options)

@@ -1,0 +1,246 @@
+"""Turning an unmodified model into an ordered chain of blocks.
+
+A block takes one tensor and returns one tensor, and running the blocks one
+after another computes the model's forward. Stages are contiguous runs of
+blocks, so the blocks are the finest places a pipeline can be cut. Blocks share
+their modules (and so their parameters) with the user's model; nothing is
+copied or re-registered.
+
+Three kinds of model are understood, tried in this order:
+
+* ``nn.Sequential``: its children (nested Sequentials expanded up to ``depth``);
+* torchvision-style ResNets (``conv1, bn1, relu, maxpool, layer1..4, avgpool,
+  fc``): the stem modules, every residual block, ``avgpool``, a flatten, ``fc``;
+* anything ``torch.fx`` can trace: the graph is cut at every point where exactly
+  one tensor is live, and each piece becomes a small ``GraphModule``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from torch import nn
+
+__all__ = ["Block", "blocks_of", "check_chain", "Chain", "module_mode", "mutates_input"]
+
+_HOW = "pass an nn.Sequential of the model's parts, or use stages=1 (no pipeline cut)"
+_RESNET = ("conv1", "bn1", "relu", "layer1", "layer2", "layer3", "layer4", "avgpool", "fc")
+
+
+@dataclass(frozen=True)
+class Block:
+    """A named piece of the model: one tensor in, one tensor out."""
+
+    name: str
+    module: nn.Module
+
+
+class Chain(nn.Module):
+    """Runs blocks one after another; the module a pipeline stage executes."""
+
+    def __init__(self, blocks: list[Block]) -> None:
+        super().__init__()
+        self.names = [b.name for b in blocks]
+        self.parts = nn.ModuleList([b.module for b in blocks])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for part in self.parts:
+            x = part(x)
+        return x
+
+
+def blocks_of(model: nn.Module, *, depth: int = 1) -> list[Block]:
+    """The ordered blocks of ``model``; ``ValueError`` (why, where, what to do) if it cannot be cut."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        raise ValueError(f"depth must be a positive int, got {depth!r}")
+    if isinstance(model, nn.Sequential):
+        blocks = _sequential(model, "", depth)
+        if not blocks:
+            raise ValueError("the nn.Sequential is empty: there is nothing to run")
+        return blocks
+    if _is_resnet(model):
+        return _resnet(model)
+    return _fx_chain(model)
+
+
+def _sequential(seq: nn.Sequential, prefix: str, depth: int) -> list[Block]:
+    out: list[Block] = []
+    for name, child in seq.named_children():
+        qual = f"{prefix}{name}"
+        if depth > 1 and isinstance(child, nn.Sequential) and len(child) > 0:
+            out.extend(_sequential(child, qual + ".", depth - 1))
+        else:
+            out.append(Block(qual, child))
+    return out
+
+
+def _is_resnet(model: nn.Module) -> bool:
+    mods = dict(model.named_children())
+    return all(isinstance(mods.get(n), nn.Module) for n in _RESNET) and all(
+        isinstance(mods[f"layer{i}"], nn.Sequential) for i in range(1, 5)
+    )
+
+
+def _resnet(model: nn.Module) -> list[Block]:
+    stem = ["conv1", "bn1", "relu"] + (["maxpool"] if isinstance(getattr(model, "maxpool", None), nn.Module) else [])
+    blocks = [Block(n, getattr(model, n)) for n in stem]
+    for i in range(1, 5):
+        layer = getattr(model, f"layer{i}")
+        blocks.extend(Block(f"layer{i}.{n}", m) for n, m in layer.named_children())
+    blocks += [Block("avgpool", model.avgpool), Block("flatten", nn.Flatten(1)), Block("fc", model.fc)]
+    return blocks
+
+
+def _fx_chain(model: nn.Module) -> list[Block]:
+    name = type(model).__name__
+    try:
+        traced = torch.fx.symbolic_trace(model)
+    except Exception as e:  # TraceError, or whatever user code raises on proxies
+        raise ValueError(
+            f"cannot cut {name} into blocks: torch.fx could not trace its forward "
+            f"(data-dependent control flow or non-traceable code?): {type(e).__name__}: {e}. To proceed, {_HOW}"
+        ) from e
+    nodes = list(traced.graph.nodes)
+    inputs = [n for n in nodes if n.op == "placeholder"]
+    if len(inputs) != 1:
+        raise ValueError(
+            f"cannot cut {name}: its forward takes {len(inputs)} inputs "
+            f"({', '.join(n.name for n in inputs)}), a pipeline stage passes exactly one tensor. To proceed, {_HOW}"
+        )
+    out_node = nodes[-1]
+    result = out_node.args[0]
+    if not isinstance(result, torch.fx.Node):
+        raise ValueError(
+            f"cannot cut {name}: its forward returns {type(result).__name__} (at fx node 'output'), "
+            f"not a single tensor. To proceed, {_HOW}"
+        )
+    body = [n for n in nodes if n.op not in ("placeholder", "output", "get_attr")]
+    if not body:
+        raise ValueError(f"cannot cut {name}: its forward does no work")
+    order = {n: i for i, n in enumerate(nodes)}
+    last_use = {n: max((order[u] for u in n.users), default=-1) for n in nodes}
+    defined = [inputs[0]]
+    cuts: list[tuple[int, torch.fx.Node]] = []  # (index in body after which we cut, live value)
+    fewest: tuple[int, torch.fx.Node, list[torch.fx.Node]] | None = None
+    for i, n in enumerate(body[:-1]):
+        defined.append(n)
+        pos = order[n]
+        live = [d for d in defined if last_use[d] > pos]
+        if len(live) == 1:
+            cuts.append((i, live[0]))
+        if fewest is None or len(live) < len(fewest[2]):
+            fewest = (i, n, live)
+    if not cuts:
+        if fewest is None:
+            return [Block(_label(body), _segment(traced, body, inputs[0], result, name))]
+        _, at, live = fewest
+        raise ValueError(
+            f"cannot cut {name} into blocks: at every point between its fx nodes several values are live "
+            f"(at best {len(live)} after node '{at.name}': {', '.join(v.name for v in live)}), so no cut passes "
+            f"exactly one tensor. To proceed, {_HOW}"
+        )
+    blocks: list[Block] = []
+    start, value = 0, inputs[0]
+    for i, live in cuts + [(len(body) - 1, result)]:
+        seg = body[start : i + 1]
+        blocks.append(Block(_label(seg), _segment(traced, seg, value, live, name)))
+        start, value = i + 1, live
+    return blocks
+
+
+def _label(nodes: list[torch.fx.Node]) -> str:
+    def one(n: torch.fx.Node) -> str:
+        return str(n.target) if n.op == "call_module" else n.name
+
+    return one(nodes[0]) if len(nodes) == 1 else f"{one(nodes[0])}..{one(nodes[-1])}"
+
+
+def _segment(
+    traced: torch.fx.GraphModule, seg: list[torch.fx.Node], src: torch.fx.Node, dst: torch.fx.Node, name: str
+) -> torch.fx.GraphModule:
+    """A GraphModule computing ``dst`` from ``src`` with the nodes of ``seg``.
+
+    It references the traced model's submodules and attributes, which are the
+    user's own objects, so parameters are shared, not copied.
+    """
+    g = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {src: g.placeholder("x")}
+
+    def arg(n: torch.fx.Node) -> torch.fx.Node:
+        if n not in env:
+            if n.op != "get_attr":
+                raise ValueError(f"internal: node '{n.name}' is used outside its block")
+            env[n] = g.node_copy(n, arg)
+        return env[n]
+
+    for n in seg:
+        env[n] = g.node_copy(n, arg)
+    g.output(arg(dst))
+    return torch.fx.GraphModule(traced, g, class_name=f"{name}Block")
+
+
+@contextlib.contextmanager
+def module_mode(model: nn.Module, training: bool) -> Iterator[None]:
+    """Temporarily put every module in train or eval mode, restoring each flag after."""
+    flags = [(m, m.training) for m in model.modules()]
+    model.train(training)
+    try:
+        yield
+    finally:
+        for m, t in flags:
+            m.training = t
+
+
+_INPLACE_LEAF = "leaf Variable that requires grad is being used in an in-place operation"
+
+
+def mutates_input(err: BaseException) -> bool:
+    """Is ``err`` autograd refusing an in-place op on a stage's leaf input?"""
+    return isinstance(err, RuntimeError) and _INPLACE_LEAF in str(err)
+
+
+def check_chain(model: nn.Module, blocks: list[Block], sample: torch.Tensor) -> list[bool]:
+    """Check that the blocks compute ``model(sample)``; return which blocks modify their input.
+
+    Runs in eval mode (deterministic) and catches a model that looks like a
+    known structure but whose forward does something else, and blocks that
+    return non-tensors. Each block after the first gets its input as a fresh
+    leaf that requires grad, as a pipeline stage would; a block that modifies
+    that input in place (e.g. ``ReLU(inplace=True)`` right after a cut) is
+    reported, so a stage starting with it can take a copy of its input.
+    """
+    flags: list[bool] = []
+    with module_mode(model, training=False):
+        with torch.no_grad():
+            ref = model(sample)
+        y = sample
+        for i, b in enumerate(blocks):
+            x = y.detach().requires_grad_(i > 0 and y.is_floating_point())
+            try:
+                y = b.module(x)
+                flags.append(False)
+            except RuntimeError as e:
+                if not mutates_input(e):
+                    raise
+                y = b.module(x.clone())
+                flags.append(True)
+            if not isinstance(y, torch.Tensor):
+                raise ValueError(
+                    f"block '{b.name}' of {type(model).__name__} returns {type(y).__name__}, not a tensor; "
+                    f"only a single tensor can pass between stages. To proceed, {_HOW}"
+                )
+    y = y.detach()
+    if not isinstance(ref, torch.Tensor) or ref.shape != y.shape or not torch.allclose(
+        ref.float(), y.float(), rtol=1e-4, atol=1e-5
+    ):
+        raise ValueError(
+            f"{type(model).__name__}.forward is not the chain of its blocks "
+            f"({', '.join(b.name for b in blocks[:6])}{', ...' if len(blocks) > 6 else ''}): "
+            f"running them in order gives a different result. To proceed, {_HOW}"
+        )
+    return flags

@@ -1,0 +1,269 @@
+"""Walks a schedule's actions, issuing each stage's work on that stage's lane.
+
+The host issues actions in the order the simulator gives (by simulated start
+time), and every cross-lane dependency is an event: a stage's forward waits for
+the previous stage's forward of the same microbatch, its backward for the next
+stage's backward. Activations cross a stage boundary detached, as a fresh leaf
+that requires grad; its ``.grad`` after the next stage's backward is the
+gradient sent back. Nothing here synchronises the host, so a step stays
+asynchronous on CUDA. On devices without streams every lane is the in-order
+stand-in and the same code runs sequentially.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from .schedule import Action, Schedule, forward_only
+from .simulate import simulate
+from .stage import Stage
+from .stream import Lane, current_lane, new_lane
+
+__all__ = ["Executor", "StepTimer"]
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class StepTimer:
+    """Per-stage busy time of one step: CUDA timing events, or the host clock."""
+
+    def __init__(self, stages: int) -> None:
+        self.host_ms = [0.0] * stages
+        self.events: list[tuple[int, "torch.cuda.Event", "torch.cuda.Event"]] = []
+        self._t0 = 0.0
+        self._start: "torch.cuda.Event | None" = None
+
+    def begin(self, lane: Lane) -> None:
+        if lane.is_cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record(lane.stream)
+        else:
+            self._t0 = time.perf_counter()
+
+    def end(self, stage: int, lane: Lane) -> None:
+        if lane.is_cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(lane.stream)
+            assert self._start is not None
+            self.events.append((stage, self._start, end))
+        else:
+            self.host_ms[stage] += (time.perf_counter() - self._t0) * 1e3
+
+    def ready(self) -> bool:
+        return all(e.query() for _, _, e in self.events)
+
+    def stage_ms(self) -> list[float]:
+        """Busy milliseconds per stage (waits for the events: call outside a step)."""
+        out = list(self.host_ms)
+        for s, start, end in self.events:
+            end.synchronize()
+            out[s] += start.elapsed_time(end)
+        return out
+
+
+def _loss_error(loss: object) -> str | None:
+    if not isinstance(loss, torch.Tensor):
+        return f"loss_fn returned {type(loss).__name__}; it must return a scalar tensor"
+    if loss.dim() != 0:
+        return (
+            f"loss_fn returned a tensor of shape {tuple(loss.shape)}; it must return a scalar "
+            f"(use a mean reduction, e.g. nn.CrossEntropyLoss(reduction='mean'))"
+        )
+    if not loss.requires_grad:
+        return "loss_fn returned a scalar that does not require grad: no parameter of the model takes part in it"
+    return None
+
+
+class Executor:
+    """Runs training and inference steps of a fixed pipeline over microbatches."""
+
+    def __init__(
+        self,
+        stages: Sequence[Stage],
+        schedule: Schedule,
+        *,
+        duration: Callable[[int, Action], float] | None = None,
+    ) -> None:
+        self.stages = list(stages)
+        n = len(self.stages)
+        if len(schedule) != n:
+            raise ValueError(f"schedule has {len(schedule)} stages, the pipeline {n}")
+        self.microbatches = len({a.microbatch for a in schedule[0]})
+        self.train_order = simulate(schedule, duration=duration).order
+        self.infer_order = simulate(
+            forward_only(n, self.microbatches), training=False, duration=duration
+        ).order
+        self.devices = list(dict.fromkeys(s.device for s in self.stages))
+        # One copy lane per device: cross-device copies run on the source device's copy lane.
+        self.copy_lanes = {d: new_lane(d, f"copy:{d}") for d in self.devices if len(self.devices) > 1}
+
+    # -- plumbing ---------------------------------------------------------------------------------
+    def _fork(self) -> None:
+        """Every lane starts after what the caller issued before the step."""
+        for s in self.stages:
+            s.lane.wait_lane(current_lane(s.device))
+
+    def _join(self) -> None:
+        """The caller's streams wait for everything the step issued."""
+        for d in self.devices:
+            cur = current_lane(d)
+            for s in self.stages:
+                if s.device == d:
+                    cur.wait_lane(s.lane)
+            if d in self.copy_lanes:
+                cur.wait_lane(self.copy_lanes[d])
+
+    def _move(self, t: torch.Tensor, ready: "torch.cuda.Event | None", src: torch.device, dst: Lane) -> torch.Tensor:
+        """``t`` (made on ``src`` when ``ready`` fires) usable on lane ``dst``."""
+        if src == dst.device:
+            dst.wait(ready)
+            dst.keep(t)
+            return t
+        if src.type != "cuda" or dst.device.type != "cuda":
+            dst.wait(ready)
+            return t.to(dst.device)
+        copy = self.copy_lanes[src]
+        copy.wait(ready)
+        # torch copies across devices on the source's current stream and makes the
+        # destination's current stream wait for it: make those our copy lane and dst.
+        with copy.use(), dst.use():
+            out = t.to(dst.device, non_blocking=True)
+        copy.keep(t)
+        return out
+
+    # -- training -------------------------------------------------------------------------------
+    def train(
+        self,
+        xs: Sequence[torch.Tensor],
+        ys: Sequence[torch.Tensor],
+        weights: Sequence[float],
+        loss_fn: LossFn,
+        timer: StepTimer | None = None,
+    ) -> torch.Tensor:
+        """Forward and backward of every microbatch; returns the weighted loss sum (detached).
+
+        ``xs`` must be on the first stage's device and ``ys`` on the last's.
+        Each microbatch's loss is multiplied by ``weights[i]`` before its
+        backward; gradients accumulate in the parameters' ``.grad``.
+        """
+        m = self.microbatches
+        if not (len(xs) == len(ys) == len(weights) == m):
+            raise ValueError(f"expected {m} microbatches, got {len(xs)} inputs and {len(ys)} targets")
+        step = _TrainStep(self, xs, ys, weights, loss_fn)
+        self._fork()
+        for s, act in self.train_order:
+            lane = self.stages[s].lane
+            with lane.use():
+                if act.kind == "F":
+                    step.forward(s, act.microbatch, timer)
+                else:
+                    step.backward(s, act.microbatch, timer)
+        self._join()
+        assert step.total is not None
+        current_lane(self.stages[-1].device).keep(step.total)
+        return step.total
+
+    # -- inference ------------------------------------------------------------------------------
+    def forward(self, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Forward of every microbatch (under the caller's grad mode); outputs of the last stage."""
+        n, m = len(self.stages), self.microbatches
+        if len(xs) != m:
+            raise ValueError(f"expected {m} microbatches, got {len(xs)}")
+        outputs: list[list[torch.Tensor | None]] = [[None] * m for _ in range(n)]
+        events: list[list] = [[None] * m for _ in range(n)]
+        self._fork()
+        for s, act in self.infer_order:
+            stage, i = self.stages[s], act.microbatch
+            with stage.lane.use():
+                if s == 0:
+                    inp = self._move(xs[i], None, xs[i].device, stage.lane)
+                else:
+                    prev = outputs[s - 1][i]
+                    outputs[s - 1][i] = None
+                    assert prev is not None
+                    inp = self._move(prev, events[s - 1][i], self.stages[s - 1].device, stage.lane)
+                outputs[s][i] = stage(inp)
+                events[s][i] = stage.lane.record()
+        self._join()
+        cur = current_lane(self.stages[-1].device)
+        result = [o for o in outputs[-1] if o is not None]
+        for o in result:
+            cur.keep(o)
+        return result
+
+
+class _TrainStep:
+    """The in-flight tensors and events of one training step."""
+
+    def __init__(self, ex: Executor, xs, ys, weights, loss_fn: LossFn) -> None:
+        n, m = len(ex.stages), ex.microbatches
+        self.ex, self.xs, self.ys, self.weights, self.loss_fn = ex, xs, ys, weights, loss_fn
+        self.inputs: list[list[torch.Tensor | None]] = [[None] * m for _ in range(n)]
+        self.outputs: list[list[torch.Tensor | None]] = [[None] * m for _ in range(n)]
+        self.losses: list[torch.Tensor | None] = [None] * m
+        self.fwd_ev: list[list] = [[None] * m for _ in range(n)]
+        self.bwd_ev: list[list] = [[None] * m for _ in range(n)]
+        self.total: torch.Tensor | None = None
+
+    def forward(self, s: int, i: int, timer: StepTimer | None) -> None:
+        ex = self.ex
+        stage = ex.stages[s]
+        lane = stage.lane
+        if s == 0:
+            inp = ex._move(self.xs[i], None, self.xs[i].device, lane)
+        else:
+            prev = self.outputs[s - 1][i]
+            assert prev is not None
+            inp = ex._move(prev.detach(), self.fwd_ev[s - 1][i], ex.stages[s - 1].device, lane)
+            inp.requires_grad_(prev.requires_grad)
+        self.inputs[s][i] = inp
+        if timer is not None:
+            timer.begin(lane)
+        out = stage(inp)
+        if s == len(ex.stages) - 1:
+            loss = self.loss_fn(out, ex._move(self.ys[i], None, self.ys[i].device, lane))
+            err = _loss_error(loss)
+            if err:
+                raise ValueError(err)
+            loss = loss * self.weights[i]
+            self.losses[i] = loss
+            self.total = loss.detach() if self.total is None else self.total + loss.detach()
+        else:
+            if not isinstance(out, torch.Tensor):
+                raise ValueError(f"stage {s} ({stage.names[-1]}) returned {type(out).__name__}, not a tensor")
+            self.outputs[s][i] = out
+        if timer is not None:
+            timer.end(s, lane)
+        self.fwd_ev[s][i] = lane.record()
+
+    def backward(self, s: int, i: int, timer: StepTimer | None) -> None:
+        ex = self.ex
+        stage = ex.stages[s]
+        lane = stage.lane
+        # Backward runs outside autocast (autograd replays the forward's dtypes).
+        with torch.autocast(stage.device.type, enabled=False):
+            if s == len(ex.stages) - 1:
+                loss, self.losses[i] = self.losses[i], None
+                assert loss is not None
+                if timer is not None:
+                    timer.begin(lane)
+                torch.autograd.backward(loss)
+            else:
+                out, nxt = self.outputs[s][i], self.inputs[s + 1][i]
+                self.outputs[s][i] = self.inputs[s + 1][i] = None
+                assert out is not None and nxt is not None
+                grad = None
+                if out.requires_grad and nxt.grad is not None:
+                    grad = ex._move(nxt.grad, self.bwd_ev[s + 1][i], ex.stages[s + 1].device, lane)
+                if timer is not None:
+                    timer.begin(lane)
+                if grad is not None:
+                    torch.autograd.backward(out, grad)
+        if s == 0:
+            self.inputs[0][i] = None
+        if timer is not None:
+            timer.end(s, lane)
+        self.bwd_ev[s][i] = lane.record()

@@ -1,0 +1,52 @@
+"""Splitting a batch into microbatches along dim 0 and gathering results back.
+
+Chunk sizes differ by at most one (the first ``batch % m`` chunks are one
+larger), so the last chunk may be smaller but never empty. Each microbatch's
+loss is weighted by its share of the batch, which makes the accumulated
+gradient equal the gradient of the batch-mean loss.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+__all__ = ["sizes", "split", "gather", "shares"]
+
+
+def sizes(batch: int, microbatches: int) -> list[int]:
+    """Sizes of the ``microbatches`` chunks a batch of ``batch`` samples is cut into."""
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
+    if batch < microbatches:
+        raise ValueError(
+            f"a batch of {batch} samples cannot be split into {microbatches} microbatches: "
+            f"use microbatches <= {batch} or a larger batch"
+        )
+    base, extra = divmod(batch, microbatches)
+    return [base + 1 if i < extra else base for i in range(microbatches)]
+
+
+def split(x: torch.Tensor, microbatches: int) -> list[torch.Tensor]:
+    """Views of ``x`` cut along dim 0 into ``microbatches`` chunks (see :func:`sizes`)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"expected a tensor to split into microbatches, got {type(x).__name__}")
+    if x.dim() == 0:
+        raise ValueError("cannot split a 0-dim tensor into microbatches: it has no batch dimension")
+    return list(torch.split(x, sizes(x.shape[0], microbatches), dim=0))
+
+
+def shares(chunk_sizes: Sequence[int]) -> list[float]:
+    """Each chunk's fraction of the batch: the weight of its (mean) loss."""
+    total = sum(chunk_sizes)
+    return [n / total for n in chunk_sizes]
+
+
+def gather(outputs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Concatenate per-microbatch outputs along dim 0 (memory format is kept)."""
+    if not outputs:
+        raise ValueError("no microbatch outputs to gather")
+    if len(outputs) == 1:
+        return outputs[0]
+    return torch.cat(list(outputs), dim=0)

@@ -1,0 +1,94 @@
+"""The pipeline plan: which blocks run where, and how long each stage should take.
+
+A plain value, printable as a table. Predicted times come from the block
+profile (or cost model); measured times are filled in by the engine from the
+first training steps, so a user can see whether the cut is balanced in practice.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field, replace
+
+__all__ = ["StagePlan", "Plan"]
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    index: int
+    blocks: tuple[str, ...]
+    device: str
+    stream: str
+    predicted_ms: float  # forward+backward of one microbatch
+    activation_mb: float = 0.0  # predicted peak saved activations (MiB) under the schedule
+    param_mb: float = 0.0
+    measured_ms: float | None = None  # per microbatch, from the first training steps
+
+    @property
+    def label(self) -> str:
+        if len(self.blocks) <= 2:
+            return ", ".join(self.blocks)
+        return f"{self.blocks[0]} .. {self.blocks[-1]} ({len(self.blocks)})"
+
+
+def _ratio(values: list[float]) -> float:
+    mean = statistics.fmean(values) if values else 0.0
+    return max(values) / mean if mean > 0 else 1.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Stages of a pipeline and their predicted (and measured) cost."""
+
+    stages: tuple[StagePlan, ...]
+    microbatches: int
+    microbatch_size: int
+    schedule: str
+    batchnorm: str
+    predicted_step_ms: float
+    source: str = "profile"  # "profile", "cost model" or "given"
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def counts(self) -> list[int]:
+        return [len(s.blocks) for s in self.stages]
+
+    @property
+    def balance(self) -> float:
+        """Predicted slowest stage over the mean stage (1.0 is perfect balance)."""
+        return _ratio([s.predicted_ms for s in self.stages])
+
+    @property
+    def measured_balance(self) -> float | None:
+        ms = [s.measured_ms for s in self.stages]
+        if any(m is None for m in ms):
+            return None
+        return _ratio([float(m) for m in ms])  # type: ignore[arg-type]
+
+    def with_measured(self, measured_ms: list[float]) -> "Plan":
+        if len(measured_ms) != len(self.stages):
+            raise ValueError(f"{len(measured_ms)} measurements for {len(self.stages)} stages")
+        return replace(self, stages=tuple(replace(s, measured_ms=m) for s, m in zip(self.stages, measured_ms)))
+
+    def __str__(self) -> str:
+        head = (
+            f"pipedp plan: {len(self.stages)} stage(s) x {self.microbatches} microbatch(es) of "
+            f"{self.microbatch_size}, schedule={self.schedule}, batchnorm={self.batchnorm}, costs from {self.source}"
+        )
+        rows = [("stage", "device", "stream", "blocks", "pred ms", "meas ms", "act MiB", "param MiB")]
+        for s in self.stages:
+            meas = "-" if s.measured_ms is None else f"{s.measured_ms:.2f}"
+            rows.append(
+                (str(s.index), s.device, s.stream, s.label, f"{s.predicted_ms:.2f}", meas,
+                 f"{s.activation_mb:.1f}", f"{s.param_mb:.1f}")
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = [head] + ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        mb = self.measured_balance
+        tail = f"balance (slowest/mean): predicted {self.balance:.2f}"
+        if mb is not None:
+            tail += f", measured {mb:.2f}"
+        tail += f"; predicted step {self.predicted_step_ms:.1f} ms"
+        lines.append(tail)
+        lines.extend(f"note: {n}" for n in self.notes)
+        return "\n".join(lines)

@@ -1,0 +1,184 @@
+"""From block costs to a plan: how many stages, where to cut, which device each gets.
+
+Predicted step time comes from simulating the schedule with each stage's
+forward and backward time. Stages on separate devices overlap freely; stages
+on one device without streams (the CPU) run one after another, so cutting them
+only adds overhead. Stages that share one CUDA device overlap only as far as
+their kernels leave the GPU idle, which solo timings cannot tell, so for them
+``stages="auto"`` measures short trial steps instead of trusting a prediction.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence, Union
+
+import torch
+
+from .partition.balance import balance
+from .partition.profile import BlockProfile
+from .pipeline.schedule import Action, get_schedule
+from .pipeline.simulate import Simulation, simulate
+from .plan import Plan, StagePlan
+
+__all__ = ["StagesSpec", "stage_devices", "resolve_counts", "simulate_plan", "build_plan"]
+
+StagesSpec = Union[int, str, Sequence[int]]
+
+ACTION_OVERHEAD_MS = 0.05  # host work per action (events, bookkeeping), a rough constant
+LINK_BYTES_PER_S = 20e9  # nominal device-to-device bandwidth for transfer costs
+MAX_AUTO_STAGES = 8
+MAX_TRIAL_STAGES = 4
+_MiB = float(1 << 20)
+
+
+def stage_devices(stages: int, devices: Sequence[torch.device]) -> list[torch.device]:
+    """Device of each stage: contiguous groups of stages per device, in order."""
+    d = len(devices)
+    return [devices[s * d // stages] if stages >= d else devices[s] for s in range(stages)]
+
+
+def _transfer_ms(profiles: Sequence[BlockProfile]) -> list[float]:
+    # An activation goes forward and its gradient (same size) comes back.
+    return [2 * p.output_bytes / LINK_BYTES_PER_S * 1e3 for p in profiles[:-1]]
+
+
+def _per_stage(profiles: Sequence[BlockProfile], counts: Sequence[int]) -> list[list[BlockProfile]]:
+    out, start = [], 0
+    for k in counts:
+        out.append(list(profiles[start : start + k]))
+        start += k
+    return out
+
+
+def _serial(device: torch.device) -> bool:
+    """Does this device run all stages' work one after another (no streams)?"""
+    return device.type != "cuda"
+
+
+def simulate_plan(
+    profiles: Sequence[BlockProfile],
+    counts: Sequence[int],
+    devices: Sequence[torch.device],
+    microbatches: int,
+    schedule: str,
+) -> Simulation:
+    """Simulated step of the cut ``counts`` with per-stage times from the profiles."""
+    groups = _per_stage(profiles, counts)
+    devs = stage_devices(len(counts), devices)
+    fwd = [sum(p.forward_ms for p in g) for g in groups]
+    bwd = [sum(p.backward_ms for p in g) for g in groups]
+    for s in range(len(counts) - 1):
+        if devs[s] != devs[s + 1]:
+            t = groups[s][-1].output_bytes / LINK_BYTES_PER_S * 1e3
+            fwd[s] += t
+            bwd[s + 1] += t
+
+    def duration(s: int, a: Action) -> float:
+        return (fwd[s] if a.kind == "F" else bwd[s]) + ACTION_OVERHEAD_MS
+
+    keys = [str(d) if _serial(d) else f"{d}/stream{s}" for s, d in enumerate(devs)]
+    resources = [keys.index(k) for k in keys]
+    return simulate(get_schedule(schedule)(len(counts), microbatches), duration=duration, resources=resources)
+
+
+def resolve_counts(
+    profiles: Sequence[BlockProfile],
+    stages: StagesSpec,
+    devices: Sequence[torch.device],
+    microbatches: int,
+    schedule: str,
+    measure: Callable[[list[int]], float] | None = None,
+) -> tuple[list[int], list[str]]:
+    """Block counts per stage for a stages spec (int, "auto", or given counts), with notes."""
+    n = len(profiles)
+    costs = [p.cost_ms for p in profiles]
+    if isinstance(stages, str):
+        if stages != "auto":
+            raise ValueError(f"stages must be an int, 'auto' or a list of block counts, got {stages!r}")
+        return _auto(profiles, devices, microbatches, schedule, measure)
+    if isinstance(stages, int) and not isinstance(stages, bool):
+        devs = stage_devices(stages, devices) if stages >= 1 else []
+        transfer = _transfer_ms(profiles) if len(set(devs)) == stages > 1 else None
+        return balance(costs, stages, transfer=transfer), []
+    try:
+        counts = [int(k) for k in stages]  # type: ignore[union-attr]
+    except (TypeError, ValueError):
+        raise ValueError(f"stages must be an int, 'auto' or a list of block counts, got {stages!r}") from None
+    if any(k < 1 for k in counts) or sum(counts) != n:
+        raise ValueError(f"stages={counts} must be positive block counts summing to the model's {n} blocks")
+    return counts, ["cut given by the user"]
+
+
+def _auto(
+    profiles: Sequence[BlockProfile],
+    devices: Sequence[torch.device],
+    microbatches: int,
+    schedule: str,
+    measure: Callable[[list[int]], float] | None,
+) -> tuple[list[int], list[str]]:
+    n = len(profiles)
+    costs = [p.cost_ms for p in profiles]
+    shared_cuda = len(devices) == 1 and devices[0].type == "cuda"
+    if shared_cuda and measure is not None:
+        trials: dict[int, tuple[float, list[int]]] = {}
+        for k in range(1, min(n, MAX_TRIAL_STAGES) + 1):
+            counts = balance(costs, k)
+            trials[k] = (measure(counts), counts)
+        k_best = min(trials, key=lambda k: trials[k][0])
+        summary = ", ".join(f"{k}: {ms:.2f} ms" for k, (ms, _) in sorted(trials.items()))
+        return trials[k_best][1], [f"stages=auto timed trial steps on {devices[0]} ({summary})"]
+    best: tuple[float, list[int]] | None = None
+    for k in range(1, min(n, MAX_AUTO_STAGES) + 1):
+        devs = stage_devices(k, devices)
+        transfer = _transfer_ms(profiles) if len(set(devs)) == k > 1 else None
+        counts = balance(costs, k, transfer=transfer)
+        ms = simulate_plan(profiles, counts, devices, microbatches, schedule).makespan
+        if best is None or ms < best[0] - 1e-9:
+            best = (ms, counts)
+    assert best is not None
+    notes = []
+    if all(_serial(d) for d in devices) and len(set(devices)) == 1:
+        notes.append(
+            f"stages=auto: {devices[0]} runs stages one after another, so one stage is fastest; "
+            f"pass stages=N to force a pipeline"
+        )
+    return best[1], notes
+
+
+def build_plan(
+    profiles: Sequence[BlockProfile],
+    counts: Sequence[int],
+    devices: Sequence[torch.device],
+    *,
+    microbatches: int,
+    microbatch_size: int,
+    schedule: str,
+    batchnorm: str,
+    source: str,
+    notes: Sequence[str] = (),
+) -> Plan:
+    sim = simulate_plan(profiles, counts, devices, microbatches, schedule)
+    devs = stage_devices(len(counts), devices)
+    stages = []
+    for s, group in enumerate(_per_stage(profiles, counts)):
+        stages.append(
+            StagePlan(
+                index=s,
+                blocks=tuple(p.name for p in group),
+                device=str(devs[s]),
+                stream=f"stream{s}" if devs[s].type == "cuda" else "host",
+                predicted_ms=sum(p.cost_ms for p in group),
+                activation_mb=sum(p.saved_bytes for p in group) * sim.peak_activations[s] / _MiB,
+                param_mb=sum(p.param_bytes for p in group) / _MiB,
+            )
+        )
+    return Plan(
+        stages=tuple(stages),
+        microbatches=microbatches,
+        microbatch_size=microbatch_size,
+        schedule=schedule,
+        batchnorm=batchnorm,
+        predicted_step_ms=sim.makespan,
+        source=source,
+        notes=tuple(notes),
+    )

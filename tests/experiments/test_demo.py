@@ -1,0 +1,16 @@
+from experiments.demo import main, pattern_data
+
+
+def test_demo_runs_and_learns_on_cpu(capsys):
+    out = main(["--steps", "8", "--batch", "16", "--width", "8", "--windows", "1", "--stages", "2"])
+    text = capsys.readouterr().out
+    assert "pipedp plan: 2 stage(s) x 4 microbatch(es)" in text
+    assert "step 7: loss" in text and "images/s: plain" in text and "x of plain" in text
+    losses = out["losses"]
+    assert sum(losses[-2:]) < sum(losses[:2])  # the offline data is learnable
+    assert out["plain_images_per_s"] > 0 and out["pipedp_images_per_s"] > 0
+
+
+def test_pattern_data_is_deterministic():
+    a, b = pattern_data(2, 4), pattern_data(2, 4)
+    assert all((x1 == x2).all() and (y1 == y2).all() for (x1, y1), (x2, y2) in zip(a, b))

@@ -1,0 +1,182 @@
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from experiments.models import resnet18, resnet50
+from pipedp.partition import Chain, blocks_of, check_chain
+from tests.reference import sequential_cnn
+
+
+def run_chain(blocks, x):
+    with torch.no_grad():
+        return Chain(blocks).eval()(x)
+
+
+def test_sequential_children_are_blocks():
+    model = sequential_cnn()
+    blocks = blocks_of(model)
+    assert [b.name for b in blocks] == [str(i) for i in range(len(model))]
+    assert all(b.module is m for b, m in zip(blocks, model))
+
+
+def test_nested_sequential_expands_with_depth():
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), nn.Linear(4, 2))
+    assert [b.name for b in blocks_of(model)] == ["0", "1"]
+    assert [b.name for b in blocks_of(model, depth=2)] == ["0.0", "0.1", "1"]
+
+
+def test_resnet_blocks_follow_torchvision_layout():
+    model = resnet18(width=8)
+    names = [b.name for b in blocks_of(model)]
+    assert names[:4] == ["conv1", "bn1", "relu", "maxpool"]
+    assert names[4:12] == [f"layer{i}.{j}" for i in range(1, 5) for j in range(2)]
+    assert names[12:] == ["avgpool", "flatten", "fc"]
+    x = torch.randn(2, 3, 16, 16)
+    model.eval()
+    assert torch.allclose(run_chain(blocks_of(model), x), model(x))
+    assert len(blocks_of(resnet50(width=4))) == 4 + 16 + 3
+
+
+def test_blocks_share_the_models_parameters():
+    model = resnet18(width=8)
+    ids = {id(p) for b in blocks_of(model) for p in b.module.parameters()}
+    assert ids == {id(p) for p in model.parameters()}
+
+
+def test_torchvision_resnet_when_installed():
+    tv = pytest.importorskip("torchvision")
+    model = tv.models.resnet18(num_classes=10)
+    blocks = blocks_of(model)
+    assert [b.name for b in blocks][:4] == ["conv1", "bn1", "relu", "maxpool"]
+    check_chain(model, blocks, torch.randn(2, 3, 64, 64))
+
+
+class FunctionalNet(nn.Module):
+    """Not a Sequential: fx must find the chain."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.res = nn.Conv2d(4, 4, 3, padding=1)
+        self.fc = nn.Linear(4, 3)
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        x = F.relu(self.conv(x))
+        x = x + self.res(x)  # a residual: no cut between res and add
+        x = x * self.scale
+        x = torch.flatten(F.adaptive_avg_pool2d(x, 1), 1)
+        return self.fc(x)
+
+
+def test_fx_chain_cuts_where_one_tensor_is_live():
+    model = FunctionalNet()
+    blocks = blocks_of(model)
+    names = [b.name for b in blocks]
+    assert names[0] == "conv" and "res..add" in names and names[-1] == "fc"
+    x = torch.randn(2, 3, 8, 8)
+    assert torch.allclose(run_chain(blocks, x), model(x))
+    ids = {id(p) for b in blocks for p in b.module.parameters()}
+    assert ids == {id(p) for p in model.parameters()}
+    assert check_chain(model, blocks, x) == [False] * len(blocks)
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum() > 0:
+            return self.a(x)
+        return x
+
+
+class TwoOutputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.a(x)
+        return y, x
+
+
+class DenseSkips(nn.Module):
+    """Every point between nodes has the input and the running value live."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.a(x) + x
+        return self.b(y) * x
+
+
+class TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x, z):
+        return self.a(x) + z
+
+
+@pytest.mark.parametrize(
+    "model, match",
+    [
+        (DataDependent(), r"torch.fx could not trace .*control flow"),
+        (TwoOutputs(), r"returns tuple .*not a single tensor"),
+        (DenseSkips(), r"several values are live \(at best 2 after node '\w+': x, \w+\)"),
+        (TwoInputs(), r"takes 2 inputs \(x, z\)"),
+        (nn.Sequential(), r"empty"),
+    ],
+)
+def test_uncuttable_models_get_a_clear_error(model, match):
+    with pytest.raises(ValueError, match=match) as e:
+        blocks_of(model)
+    if not isinstance(model, nn.Sequential):
+        assert "nn.Sequential" in str(e.value) and "stages=1" in str(e.value)
+
+
+class LooksLikeResNet(nn.Module):
+    """Has ResNet's attributes but a different forward: check_chain must notice."""
+
+    def __init__(self):
+        super().__init__()
+        base = resnet18(width=4)
+        for n, m in base.named_children():
+            setattr(self, n, m)
+
+    def forward(self, x):
+        x = self.relu(self.bn1(self.conv1(x)))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1)) * 2.0
+
+
+def test_check_chain_catches_a_different_forward():
+    model = LooksLikeResNet()
+    blocks = blocks_of(model)
+    with pytest.raises(ValueError, match=r"forward is not the chain of its blocks .*nn.Sequential"):
+        check_chain(model, blocks, torch.randn(2, 3, 8, 8))
+
+
+def test_check_chain_rejects_non_tensor_block_outputs():
+    class Pair(nn.Module):
+        def forward(self, x):
+            return x, x
+
+    model = nn.Sequential(nn.Linear(4, 4), Pair(), nn.Identity())
+    with pytest.raises(ValueError, match=r"block '1' .*returns tuple"):
+        check_chain(model, blocks_of(model), torch.randn(2, 4))
+
+
+def test_check_chain_flags_blocks_that_modify_their_input():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.ReLU(inplace=True), nn.Linear(4, 2))
+    flags = check_chain(model, blocks_of(model), torch.randn(3, 4))
+    assert flags == [False, True, True, False]
+    # The model's training flags are restored afterwards.
+    assert model.training

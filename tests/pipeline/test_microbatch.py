@@ -1,0 +1,40 @@
+import pytest
+import torch
+
+from pipedp.pipeline import gather, shares, sizes, split
+
+
+def test_sizes_differ_by_at_most_one():
+    assert sizes(10, 4) == [3, 3, 2, 2]
+    assert sizes(8, 4) == [2, 2, 2, 2]
+    assert sizes(5, 5) == [1] * 5
+    assert shares([3, 1]) == [0.75, 0.25]
+
+
+def test_split_is_views_and_gather_restores():
+    x = torch.arange(30.0).reshape(10, 3)
+    parts = split(x, 4)
+    assert [p.shape[0] for p in parts] == [3, 3, 2, 2]
+    assert all(p.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for p in parts)
+    assert torch.equal(gather(parts), x)
+
+
+def test_batch_smaller_than_microbatches_is_a_clear_error():
+    with pytest.raises(ValueError, match="batch of 3 samples cannot be split into 4 microbatches"):
+        split(torch.zeros(3, 2), 4)
+
+
+def test_split_rejects_scalars_and_non_tensors():
+    with pytest.raises(ValueError, match="0-dim"):
+        split(torch.tensor(1.0), 1)
+    with pytest.raises(TypeError):
+        split([1, 2], 1)
+    with pytest.raises(ValueError, match="no microbatch outputs"):
+        gather([])
+
+
+def test_channels_last_survives_split_and_gather():
+    x = torch.randn(6, 3, 4, 4).to(memory_format=torch.channels_last)
+    parts = split(x, 3)
+    assert all(p.is_contiguous(memory_format=torch.channels_last) for p in parts)
+    assert gather(parts).is_contiguous(memory_format=torch.channels_last)

@@ -1,0 +1,73 @@
+import pytest
+
+from pipedp.pipeline import Action, ScheduleError, gpipe, one_f_one_b, simulate
+
+F = lambda i: Action("F", i)  # noqa: E731
+B = lambda i: Action("B", i)  # noqa: E731
+
+
+def deps_done_before(order, stages):
+    seen = set()
+    for s, a in order:
+        if a.kind == "F" and s > 0:
+            assert (s - 1, a) in seen
+        if a.kind == "B":
+            assert (s, F(a.microbatch)) in seen
+            if s < stages - 1:
+                assert (s + 1, a) in seen
+        seen.add((s, a))
+
+
+@pytest.mark.parametrize("fn", [gpipe, one_f_one_b])
+def test_issue_order_is_topological(fn):
+    for stages in (1, 2, 3, 5, 8):
+        for m in (1, 2, 7, 16):
+            sim = simulate(fn(stages, m), duration=lambda s, a: 0.0 if s % 2 else 1.5)
+            deps_done_before(sim.order, stages)
+            assert len(sim.order) == 2 * stages * m
+
+
+def test_deadlock_is_reported_with_stages_and_actions():
+    sched = [[F(0), B(0), F(1), B(1)], [F(0), F(1), B(1), B(0)]]
+    with pytest.raises(ScheduleError, match=r"deadlock: stage 0 waits at B0 for B0 of stage 1; stage 1 waits at F1 for F1 of stage 0"):
+        simulate(sched)
+
+
+def test_dependency_violation_is_reported():
+    with pytest.raises(ScheduleError, match=r"dependency violation: stage 0 runs B0 before its own F0"):
+        simulate([[B(0), F(0)]])
+
+
+@pytest.mark.parametrize(
+    "sched, match",
+    [
+        ([], "no stages"),
+        ([[F(0), F(0), B(0)]], "runs F0 more than once"),
+        ([[F(0), B(0)], [F(0)]], r"stage 1: B actions cover microbatches \[\]"),
+        ([[F(0), B(0), F(1), B(1)], [F(0), B(0)]], r"missing \[1\]"),
+        ([[Action("X", 0)]], "is not one of"),
+        ([[F(1), B(1)]], "numbered 0..m-1"),
+    ],
+)
+def test_malformed(sched, match):
+    with pytest.raises(ScheduleError, match=match):
+        simulate(sched)
+
+
+def test_forward_only_rejects_backward():
+    with pytest.raises(ScheduleError, match="is not one of"):
+        simulate([[F(0), B(0)]], training=False)
+
+
+def test_shared_resource_serialises_stages():
+    sched = one_f_one_b(4, 8)
+    free = simulate(sched, duration=lambda s, a: 1.0)
+    shared = simulate(sched, duration=lambda s, a: 1.0, resources=[0, 0, 0, 0])
+    assert shared.makespan == pytest.approx(2 * 4 * 8)  # everything one after another
+    assert free.makespan < shared.makespan
+    assert 0.0 < free.bubble < 1.0
+
+
+def test_one_f_one_b_holds_fewer_activations_than_gpipe():
+    assert simulate(one_f_one_b(4, 16)).peak_activations[0] == 4
+    assert simulate(gpipe(4, 16)).peak_activations[0] == 16

@@ -1,0 +1,63 @@
+"""Plain PyTorch training that pipedp must reproduce, and small models for the tests."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from pipedp.pipeline import microbatch
+
+
+def plain_steps(
+    model: nn.Module,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    microbatches: int,
+    loss_fn=None,
+    lr: float = 0.05,
+    momentum: float = 0.9,
+) -> nn.Module:
+    """SGD-momentum steps with gradient accumulation over the same microbatches pipedp uses."""
+    loss_fn = loss_fn or nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    for x, y in batches:
+        opt.zero_grad(set_to_none=True)
+        xs, ys = microbatch.split(x, microbatches), microbatch.split(y, microbatches)
+        for xi, yi, w in zip(xs, ys, microbatch.shares([t.shape[0] for t in xs])):
+            (loss_fn(model(xi), yi) * w).backward()
+        opt.step()
+    return model
+
+
+def max_diff(a: nn.Module, b: nn.Module) -> float:
+    """Largest absolute difference over all floating-point parameters and buffers."""
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    return max(
+        ((sa[k].double() - sb[k].double()).abs().max().item() for k in sa if sa[k].is_floating_point()),
+        default=0.0,
+    )
+
+
+def sequential_cnn(classes: int = 10) -> nn.Sequential:
+    """A CNN without BatchNorm: pipelined training must equal full-batch training."""
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(8, 16, 3, padding=1, stride=2), nn.ReLU(),
+        nn.Conv2d(16, 16, 3, padding=1), nn.Tanh(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, classes),
+    )
+
+
+def data(n: int = 10, size: int = 16, classes: int = 10, seed: int = 0, steps: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(n, 3, size, size, generator=g), torch.randint(0, classes, (n,), generator=g))
+        for _ in range(steps)
+    ]
+
+
+def clone(model: nn.Module) -> nn.Module:
+    return copy.deepcopy(model)

@@ -1,0 +1,233 @@
+"""The engine on CUDA: stages on streams of one GPU, CUDA graphs, no host sync inside a step.
+
+Skipped without a CUDA device (CI has none); run on a GPU host with
+``pytest -m cuda``. Deterministic cuDNN and no TF32, so plain and pipelined
+training run the same kernels and must agree as tightly as on the CPU.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+import pipedp
+from experiments.models import resnet18, resnet50
+from tests.reference import clone, data, max_diff, plain_steps, sequential_cnn
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+TOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def deterministic():
+    saved = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
+             torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
+     torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32) = saved
+
+
+def cuda_batches(n=12, size=16, steps=3, seed=0):
+    return [(x.cuda(), y.cuda()) for x, y in data(n=n, size=size, steps=steps, seed=seed)]
+
+
+def wrap(model, lr=0.05, **kw):
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    return pipedp.wrap(model, optimizer=opt, loss_fn=nn.CrossEntropyLoss(), devices="cuda",
+                       profile=False, progress=False, **kw)
+
+
+def test_cuda_lanes_are_streams_ordered_by_events():
+    from pipedp.pipeline.stream import current_lane, new_lane
+
+    a, b = new_lane(torch.device("cuda"), "a"), new_lane(torch.device("cuda"), "b")
+    assert a.is_cuda and a.stream != b.stream
+    with a.use():
+        assert torch.cuda.current_stream() == a.stream
+        x = torch.ones(1 << 20, device="cuda")
+        torch.cuda._sleep(1_000_000)  # keep stream a busy
+        x.mul_(2)
+        ev = a.record()
+    b.wait(ev)
+    with b.use():
+        b.keep(x)
+        y = x + 1
+    current_lane(torch.device("cuda")).wait_lane(b)
+    assert torch.all(y == 3).item()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+def test_streams_equal_plain_training(schedule, stages):
+    for microbatches in (1, 2, 3, 4):
+        torch.manual_seed(microbatches)
+        model = resnet18(width=8).cuda()
+        ref = clone(model)
+        batches = cuda_batches(seed=microbatches)
+        engine = wrap(model, stages=stages, microbatches=microbatches, schedule=schedule)
+        for x, y in batches:
+            engine.train_step(x, y)
+        lanes = {id(s.lane.stream) for s in engine.executor.stages}
+        assert len(lanes) == stages  # every stage on its own stream
+        plain_steps(ref, batches, microbatches=microbatches)
+        assert max_diff(model, ref) <= TOL, (schedule, stages, microbatches)
+
+
+def test_no_host_synchronisation_inside_a_step():
+    model = resnet50(width=4).cuda()
+    engine = wrap(model, stages=3, microbatches=4, batchnorm="batch", measure_steps=0)
+    (x, y), = cuda_batches(steps=1)
+    engine.train_step(x, y)  # first step builds the plan (profiling may sync)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2):
+            loss = engine.train_step(x, y)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(loss).item()
+
+
+@pytest.mark.parametrize("stages, microbatches", [(1, 1), (2, 2), (3, 4)])
+def test_cuda_graph_steps_equal_eager_training(stages, microbatches):
+    torch.manual_seed(0)
+    model = resnet18(width=8).cuda()
+    ref = clone(model)
+    batches = cuda_batches(steps=6)
+    engine = wrap(model, stages=stages, microbatches=microbatches, cuda_graph=True)
+    losses = [engine.train_step(x, y) for x, y in batches]
+    assert engine._graph.captures == 1 and engine._graph.replays == 4
+    plain_steps(ref, batches, microbatches=microbatches)
+    assert max_diff(model, ref) <= TOL
+    assert all(torch.isfinite(l).item() for l in losses)
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_cuda_graph_follows_a_learning_rate_change_and_a_new_batch_shape():
+    torch.manual_seed(0)
+    model = sequential_cnn().cuda()
+    ref = clone(model)
+    batches = cuda_batches(n=8, steps=10)
+    engine = wrap(model, stages=2, microbatches=2, cuda_graph=True)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    for i, (x, y) in enumerate(batches):
+        if i == 5:
+            for g in engine.optimizer.param_groups + opt.param_groups:
+                g["lr"] = 0.01
+        if i == 6:
+            x, y = x[:6], y[:6]  # a smaller last batch runs eagerly
+        engine.train_step(x, y)
+        opt.zero_grad()
+        nn.functional.cross_entropy(ref(x), y).backward()
+        opt.step()
+    assert engine._graph.captures >= 2  # the lr change forced a new capture
+    assert max_diff(model, ref) <= TOL
+
+
+def test_loading_a_checkpoint_recaptures_the_graph():
+    torch.manual_seed(0)
+    model = resnet18(width=8).cuda()
+    ref = clone(model)
+    batches = cuda_batches(steps=8)
+    engine = wrap(model, stages=2, microbatches=2, cuda_graph=True)
+    for x, y in batches[:4]:
+        engine.train_step(x, y)
+    engine.load_state_dict(engine.state_dict())  # new optimizer state tensors
+    for x, y in batches[4:]:
+        engine.train_step(x, y)
+    assert engine._graph.captures == 2
+    plain_steps(ref, batches, microbatches=2)
+    assert max_diff(model, ref) <= TOL
+
+
+def test_a_graph_survives_later_captures_in_the_same_process():
+    # pytorch/pytorch#193402: a later capture used to free cuBLAS workspace an
+    # earlier graph embeds (the fc layer is a cuBLAS GEMM).
+    torch.manual_seed(0)
+    lin = nn.Linear(512, 512).cuda()
+    inp = torch.randn(256, 512, device="cuda")
+    lin(inp)  # warm up outside capture, as PyTorch's graph recipe asks
+    torch.cuda.synchronize()
+    user_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(user_graph):  # a user's own graph, captured before ours
+        user_out = lin(inp)
+    model = resnet18(width=8).cuda()
+    ref = clone(model)
+    batches = cuda_batches(steps=8)
+    first = wrap(model, stages=2, microbatches=2, cuda_graph=True)
+    for x, y in batches[:4]:
+        first.train_step(x, y)
+    other = resnet18(width=8).cuda()
+    second = wrap(other, stages=3, microbatches=3, cuda_graph=True)
+    for x, y in batches[:4]:
+        second.train_step(x, y)
+    later = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(later):  # and another one after ours
+        lin(inp).sum()
+    for x, y in batches[4:]:
+        first.train_step(x, y)
+    user_graph.replay()
+    torch.cuda.synchronize()
+    plain_steps(ref, batches, microbatches=2)
+    assert max_diff(model, ref) <= TOL
+    with torch.no_grad():
+        assert torch.allclose(user_out, lin(inp), atol=1e-5)
+
+
+def test_inference_and_auto_stages_on_cuda():
+    torch.manual_seed(0)
+    model = resnet18(width=8).cuda()
+    x = torch.randn(16, 3, 16, 16, device="cuda")
+    engine = pipedp.wrap(model, microbatches=4, devices="cuda", sample=x, progress=False)
+    assert any("timed trial steps" in n for n in engine.plan.notes)
+    engine.eval()
+    with torch.no_grad():
+        expected = model(x)
+    assert torch.allclose(engine(x), expected, atol=1e-5)
+
+
+def test_auto_stages_with_cuda_graph_times_captured_trials_and_trains_exactly():
+    torch.manual_seed(0)
+    model = resnet18(width=8).cuda()
+    ref = clone(model)
+    batches = cuda_batches(steps=5)
+    engine = wrap(model, microbatches=2, stages="auto", cuda_graph=True, sample=batches[0][0])
+    assert any("timed trial steps" in n for n in engine.plan.notes)
+    assert all(p.grad is None for p in model.parameters())  # trials leave no trace
+    for x, y in batches:
+        engine.train_step(x, y)
+    plain_steps(ref, batches, microbatches=2)
+    assert max_diff(model, ref) <= TOL
+
+
+def test_autocast_and_channels_last_pass_through_on_cuda():
+    torch.manual_seed(0)
+    model = resnet18(width=8).cuda().to(memory_format=torch.channels_last)
+    ref = clone(model)
+    batches = [(x.contiguous(memory_format=torch.channels_last), y) for x, y in cuda_batches(steps=2)]
+    engine = wrap(model, stages=3, microbatches=2)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        for x, y in batches:
+            engine.train_step(x, y)
+        plain_steps(ref, batches, microbatches=2)
+    assert max_diff(model, ref) <= 1e-3
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_stages_on_two_gpus_equal_plain_training():
+    torch.manual_seed(0)
+    model = resnet18(width=8)
+    ref = clone(model).cuda(0)
+    batches = cuda_batches()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    engine = pipedp.wrap(model, optimizer=opt, loss_fn=nn.CrossEntropyLoss(), devices=["cuda:0", "cuda:1"],
+                         stages=4, microbatches=3, profile=False, progress=False)
+    for x, y in batches:
+        engine.train_step(x, y)
+    assert [s.device.index for s in engine.executor.stages] == [0, 0, 1, 1]
+    plain_steps(ref, batches, microbatches=3)
+    assert max_diff(model.cuda(0), ref) <= TOL

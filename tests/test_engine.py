@@ -1,0 +1,357 @@
+"""pipedp.wrap end to end on CPU: exactness against plain training, state, errors."""
+
+import pytest
+import torch
+from torch import nn
+
+import pipedp
+from experiments.models import resnet18, resnet50
+from tests.reference import clone, data, max_diff, plain_steps, sequential_cnn
+
+TOL = 1e-5
+
+
+def engine_for(model, *, microbatches, stages, schedule="1f1b", lr=0.05, **kw):
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    return pipedp.wrap(
+        model, optimizer=opt, loss_fn=nn.CrossEntropyLoss(), microbatches=microbatches,
+        stages=stages, schedule=schedule, profile=False, progress=False, **kw,
+    )
+
+
+MODELS = {
+    "sequential": lambda: sequential_cnn(),
+    "resnet18": lambda: resnet18(width=4),
+    "resnet50": lambda: resnet50(width=2),
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+def test_parameters_equal_plain_training(name, schedule, stages):
+    for microbatches in range(1, 6):
+        torch.manual_seed(microbatches)
+        model = MODELS[name]()
+        ref = clone(model)
+        batches = data(n=10, size=8, steps=3, seed=microbatches)
+        engine = engine_for(model, microbatches=microbatches, stages=stages, schedule=schedule)
+        for x, y in batches:
+            engine.train_step(x, y)
+        assert len(engine.plan.stages) == stages
+        # Without BatchNorm, microbatched training is full-batch training.
+        plain_steps(ref, batches, microbatches=1 if name == "sequential" else microbatches)
+        assert max_diff(model, ref) <= TOL, (name, schedule, stages, microbatches)
+
+
+def test_loss_is_the_batch_mean_and_stays_on_device():
+    torch.manual_seed(0)
+    model = sequential_cnn()
+    x, y = data(n=9, size=8, steps=1)[0]
+    expected = nn.CrossEntropyLoss()(model(x), y).item()
+    engine = engine_for(model, microbatches=4, stages=3)
+    loss = engine.train_step(x, y)
+    assert isinstance(loss, torch.Tensor) and loss.dim() == 0 and not loss.requires_grad
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_deferred_batchnorm_keeps_full_batch_running_statistics():
+    torch.manual_seed(0)
+    model = resnet18(width=4)
+    micro = clone(model)
+    x, y = data(n=12, size=8, steps=1)[0]
+    bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    before = [(m.running_mean.clone(), m.running_var.clone()) for m in bns]
+    inputs = {m: [] for m in bns}
+    for m in bns:
+        m.register_forward_pre_hook(lambda mod, args: inputs[mod].append(args[0].detach().clone()))
+    engine = engine_for(model, microbatches=4, stages=3, batchnorm="batch")
+    engine.train_step(x, y)
+    for m, (rm, rv) in zip(bns, before):
+        # Each BatchNorm's statistics are those of its inputs over the whole batch, applied once.
+        seen = torch.cat(inputs[m][-4:])
+        assert seen.shape[0] == 12
+        mean = seen.mean(dim=(0, 2, 3))
+        var = seen.var(dim=(0, 2, 3), unbiased=True)
+        assert torch.allclose(m.running_mean, 0.9 * rm + 0.1 * mean, atol=TOL)
+        assert torch.allclose(m.running_var, 0.9 * rv + 0.1 * var, atol=TOL)
+        assert m.num_batches_tracked.item() == 1
+    # Normalisation itself still uses microbatch statistics: parameters equal
+    # plain microbatched training (whose running stats differ).
+    plain_steps(micro, [(x, y)], microbatches=4)
+    params = dict(model.named_parameters())
+    assert max((p - params[n]).abs().max().item() for n, p in micro.named_parameters()) <= TOL
+
+
+def test_deferred_batchnorm_equals_plain_full_batch_statistics():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.BatchNorm2d(3), nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4 * 36, 3))
+    full = clone(model)
+    x, y = torch.randn(10, 3, 8, 8), torch.randint(0, 3, (10,))
+    engine_for(model, microbatches=3, stages=3, batchnorm="batch").train_step(x, y)
+    with torch.no_grad():
+        full(x)
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        assert torch.allclose(getattr(model[0], name).double(), getattr(full[0], name).double(), atol=TOL), name
+
+
+def test_deferred_batchnorm_with_cumulative_average():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, momentum=None), nn.Flatten(), nn.Linear(4 * 36, 3))
+    full = clone(model)
+    x, y = torch.randn(8, 3, 8, 8), torch.randint(0, 3, (8,))
+    engine = engine_for(model, microbatches=3, stages=2, batchnorm="batch")
+    for _ in range(2):
+        engine.train_step(x, y)
+        with torch.no_grad():
+            full(x)
+        full[0].weight.data.copy_(model[0].weight.data)
+        full[0].bias.data.copy_(model[0].bias.data)
+    assert torch.allclose(model[1].running_mean, full[1].running_mean, atol=TOL)
+    assert torch.allclose(model[1].running_var, full[1].running_var, atol=TOL)
+    assert model[1].num_batches_tracked.item() == 2
+
+
+def test_module_is_the_users_model_and_checkpoint_keys_are_unchanged():
+    model = resnet18(width=4)
+    keys = list(model.state_dict())
+    engine = engine_for(model, microbatches=2, stages=3)
+    x, y = data(n=4, size=8, steps=1)[0]
+    engine.train_step(x, y)
+    assert engine.module is model
+    state = engine.state_dict()
+    assert list(state["model"]) == keys
+    plain = resnet18(width=4)
+    plain.load_state_dict(state["model"])  # loads into plain PyTorch code
+    fresh = engine_for(resnet18(width=4), microbatches=2, stages=3)
+    fresh.load_state_dict(state)
+    assert fresh.steps == 1 and max_diff(fresh.module, model) == 0
+    assert fresh.optimizer.state_dict()["state"].keys() == engine.optimizer.state_dict()["state"].keys()
+    with pytest.raises(ValueError, match="not an engine checkpoint .*engine.module.load_state_dict"):
+        fresh.load_state_dict(model.state_dict())
+
+
+def test_optimizer_factory_and_resumed_training_match():
+    torch.manual_seed(0)
+    model = sequential_cnn()
+    ref = clone(model)
+    batches = data(n=8, size=8, steps=4)
+    factory = lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9)  # noqa: E731
+    engine = pipedp.wrap(model, optimizer=factory, loss_fn=nn.CrossEntropyLoss(), microbatches=2,
+                         stages=2, profile=False, progress=False)
+    for x, y in batches[:2]:
+        engine.train_step(x, y)
+    state = engine.state_dict()
+    resumed_model = sequential_cnn()
+    resumed = pipedp.wrap(resumed_model, optimizer=factory, loss_fn=nn.CrossEntropyLoss(), microbatches=2,
+                          stages=2, profile=False, progress=False)
+    resumed.load_state_dict(state)
+    for x, y in batches[2:]:
+        resumed.train_step(x, y)
+    plain_steps(ref, batches, microbatches=1)
+    assert max_diff(resumed_model, ref) <= TOL
+
+
+def test_inference_equals_the_model():
+    torch.manual_seed(0)
+    model = resnet18(width=4)
+    engine = engine_for(model, microbatches=3, stages=3)
+    x = torch.randn(7, 3, 8, 8)
+    engine.eval()
+    with torch.no_grad():
+        expected = model(x)
+    out = engine(x)
+    assert torch.allclose(out, expected, atol=1e-6)
+    assert torch.allclose(engine(x[:2]), expected[:2], atol=1e-6)  # fewer samples than microbatches
+    assert not out.requires_grad
+
+
+def test_channels_last_passes_through():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1))
+    model = model.to(memory_format=torch.channels_last)
+    x = torch.randn(6, 3, 8, 8).to(memory_format=torch.channels_last)
+    engine = pipedp.wrap(model, microbatches=3, stages=2, profile=False, progress=False)
+    out = engine(x)
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    assert torch.allclose(out, model(x), atol=1e-6)
+    ref = clone(model)
+    loss = lambda out, y: (out - y).pow(2).mean()  # noqa: E731
+    engine = pipedp.wrap(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=loss,
+                         microbatches=3, stages=2, profile=False, progress=False)
+    y = torch.randn(6, 8, 8, 8)
+    engine.train_step(x, y)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    loss(ref(x), y).backward()
+    opt.step()
+    assert max_diff(model, ref) <= TOL
+
+
+def test_autocast_passes_through():
+    torch.manual_seed(0)
+    model = sequential_cnn()
+    ref = clone(model)
+    x, y = data(n=8, size=8, steps=1)[0]
+    seen = []
+    model[0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    engine = engine_for(model, microbatches=2, stages=3, lr=0.05)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        engine.train_step(x, y)
+    assert seen and all(d == torch.bfloat16 for d in seen)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain_steps(ref, [(x, y)], microbatches=2)
+    assert max_diff(model, ref) <= 1e-3
+
+
+def test_plan_before_and_after_steps():
+    model = resnet18(width=4)
+    engine = engine_for(model, microbatches=2, stages=3, measure_steps=2)
+    with pytest.raises(RuntimeError, match="pass sample="):
+        engine.plan
+    batches = data(n=4, size=8, steps=3)
+    for x, y in batches:
+        engine.train_step(x, y)
+    plan = engine.plan
+    assert plan.counts == [len(s.blocks) for s in plan.stages] and sum(plan.counts) == 4 + 8 + 3
+    assert all(s.measured_ms is not None and s.measured_ms > 0 for s in plan.stages)
+    text = str(plan)
+    assert "3 stage(s) x 2 microbatch(es) of 2" in text and "meas ms" in text and "layer" in text
+
+
+def test_sample_shape_plans_at_wrap_and_auto_picks_one_stage_on_cpu():
+    engine = pipedp.wrap(resnet18(width=4), microbatches=2, sample=(4, 3, 8, 8), progress=False)
+    assert len(engine.plan.stages) == 1
+    assert any("one after another" in n for n in engine.plan.notes)
+    assert engine.plan.source == "profile"
+
+
+def test_stages_as_block_counts():
+    engine = engine_for(sequential_cnn(), microbatches=2, stages=[2, 3, 4], sample=(4, 3, 8, 8))
+    assert engine.plan.counts == [2, 3, 4]
+    with pytest.raises(ValueError, match=r"positive block counts summing to the model's 9 blocks"):
+        engine_for(sequential_cnn(), microbatches=2, stages=[2, 3], sample=(4, 3, 8, 8))
+
+
+# -- bad input -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kw, exc, match",
+    [
+        (dict(schedule="zigzag"), ValueError, "unknown schedule 'zigzag'"),
+        (dict(batchnorm="sync"), ValueError, "batchnorm must be one of"),
+        (dict(microbatches=0), ValueError, "microbatches must be a positive int"),
+        (dict(stages="many"), ValueError, "stages must be an int, 'auto' or a list"),
+        (dict(stages=20, sample=(4, 3, 8, 8)), ValueError, "cannot cut 9 blocks into 20 non-empty stages"),
+        (dict(devices="cuda:7"), ValueError, r"cuda:7"),
+        (dict(devices="tpu"), ValueError, "not a device"),
+        (dict(devices=["cpu", "cpu"]), ValueError, "lists a device twice"),
+        (dict(devices=[]), ValueError, "devices is empty"),
+        (dict(optimizer=42), TypeError, "optimizer must be a torch.optim.Optimizer or a factory"),
+        (dict(optimizer=lambda p: 3), TypeError, "factory returned int"),
+        (dict(loss_fn="mse"), TypeError, "loss_fn must be callable"),
+    ],
+)
+def test_bad_arguments(kw, exc, match):
+    args = dict(microbatches=2, profile=False, progress=False)
+    args.update(kw)
+    with pytest.raises(exc, match=match):
+        pipedp.wrap(sequential_cnn(), **args)
+
+
+def test_optimizer_on_other_parameters_is_rejected():
+    other = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="not the model's: build it on model.parameters"):
+        pipedp.wrap(sequential_cnn(), optimizer=torch.optim.SGD(other.parameters(), lr=0.1))
+
+
+def test_train_step_input_errors():
+    engine = engine_for(sequential_cnn(), microbatches=4, stages=2)
+    with pytest.raises(ValueError, match="batch of 3 samples cannot be split into 4 microbatches"):
+        engine.train_step(torch.randn(3, 3, 8, 8), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="share the batch dimension"):
+        engine.train_step(torch.randn(8, 3, 8, 8), torch.zeros(6, dtype=torch.long))
+    bare = pipedp.wrap(sequential_cnn(), microbatches=2, profile=False, progress=False)
+    with pytest.raises(RuntimeError, match="needs wrap\\(..., optimizer=..., loss_fn=...\\)"):
+        bare.train_step(torch.randn(4, 3, 8, 8), torch.zeros(4, dtype=torch.long))
+
+
+def snapshot(engine):
+    return (
+        {k: v.clone() for k, v in engine.module.state_dict().items()},
+        {k: {n: t.clone() for n, t in s.items()} for k, s in engine.optimizer.state_dict()["state"].items()},
+    )
+
+
+def assert_unchanged(engine, before):
+    model_state, opt_state = snapshot(engine)
+    assert all(torch.equal(before[0][k], v) for k, v in model_state.items())
+    assert opt_state.keys() == before[1].keys()
+    for k in opt_state:
+        assert all(torch.equal(before[1][k][n], t) for n, t in opt_state[k].items())
+    assert all(p.grad is None for p in engine.module.parameters())
+
+
+@pytest.mark.parametrize("batchnorm", ["microbatch", "batch"])
+def test_failed_step_leaves_parameters_optimizer_and_buffers_unchanged(batchnorm):
+    model = resnet18(width=4)
+    calls = []
+
+    def flaky_loss(out, y):
+        calls.append(1)
+        if len(calls) == 6:  # second step, after microbatches ran forward (and backward)
+            return out.sum(dim=1)  # not a scalar
+        return nn.functional.cross_entropy(out, y)
+
+    engine = pipedp.wrap(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                         loss_fn=flaky_loss, microbatches=4, stages=3, batchnorm=batchnorm,
+                         profile=False, progress=False)
+    x, y = data(n=8, size=8, steps=1)[0]
+    engine.train_step(x, y)  # momentum buffers now exist
+    before = snapshot(engine)
+    with pytest.raises(ValueError, match=r"loss_fn returned a tensor of shape \(2,\); it must return a scalar"):
+        engine.train_step(x, y)
+    assert_unchanged(engine, before)
+    # A shape error inside a stage leaves everything unchanged too, and training goes on.
+    with pytest.raises(RuntimeError):
+        engine.train_step(torch.randn(8, 5, 8, 8), y)
+    assert_unchanged(engine, before)
+    calls.clear()
+    engine.train_step(x, y)
+
+
+def test_loss_must_be_a_tensor():
+    engine = pipedp.wrap(sequential_cnn(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                         loss_fn=lambda out, y: 1.0, microbatches=2, stages=2, profile=False, progress=False)
+    with pytest.raises(ValueError, match="loss_fn returned float; it must return a scalar tensor"):
+        engine.train_step(torch.randn(4, 3, 8, 8), torch.zeros(4, dtype=torch.long))
+
+
+def _live_graph_tensors():
+    import gc
+    import warnings
+
+    gc.collect()
+    out = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for o in gc.get_objects():
+            try:
+                if isinstance(o, torch.Tensor) and o.grad_fn is not None:
+                    out.append(tuple(o.shape))
+            except Exception:
+                continue
+    return out
+
+
+def test_no_autograd_graph_outlives_wrap_or_a_step():
+    # A graph kept alive pins memory and keeps AccumulateGrad nodes on the stream
+    # that made them, which breaks CUDA graph capture later.
+    assert _live_graph_tensors() == []
+    model = resnet18(width=4)
+    x, y = data(n=8, size=8, steps=1)[0]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = pipedp.wrap(model, optimizer=opt, loss_fn=nn.CrossEntropyLoss(), microbatches=2, stages=3,
+                         sample=x, progress=False)
+    assert _live_graph_tensors() == []
+    engine.train_step(x, y)
+    assert _live_graph_tensors() == []

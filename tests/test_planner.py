@@ -1,0 +1,68 @@
+import pytest
+import torch
+
+from pipedp.partition import BlockProfile
+from pipedp.planner import build_plan, resolve_counts, simulate_plan, stage_devices
+
+CPU = torch.device("cpu")
+
+
+def profiles(costs):
+    return [BlockProfile(f"b{i}", c / 3, 2 * c / 3, 1000, 4000, 100) for i, c in enumerate(costs)]
+
+
+def test_stage_devices_groups_stages_contiguously():
+    d = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert stage_devices(4, d) == [d[0], d[0], d[1], d[1]]
+    assert stage_devices(3, d) == [d[0], d[0], d[1]]
+    assert stage_devices(1, d) == [d[0]]
+
+
+def test_int_and_list_stages():
+    profs = profiles([1, 1, 1, 5, 1, 1])
+    assert resolve_counts(profs, 3, [CPU], 4, "1f1b")[0] == [3, 1, 2]
+    assert resolve_counts(profs, [2, 2, 2], [CPU], 4, "1f1b") == ([2, 2, 2], ["cut given by the user"])
+    with pytest.raises(ValueError, match="summing to the model's 6 blocks"):
+        resolve_counts(profs, [2, 2], [CPU], 4, "1f1b")
+    with pytest.raises(ValueError, match="stages must be an int, 'auto'"):
+        resolve_counts(profs, "many", [CPU], 4, "1f1b")
+
+
+def test_auto_on_a_serial_device_is_one_stage():
+    counts, notes = resolve_counts(profiles([1.0] * 8), "auto", [CPU], 4, "1f1b")
+    assert counts == [8] and "one after another" in notes[0]
+
+
+def test_auto_uses_trial_measurements_for_a_shared_cuda_device():
+    seen = []
+
+    def measure(counts):
+        seen.append(list(counts))
+        return {1: 10.0, 2: 7.0, 3: 8.0, 4: 9.0}[len(counts)]
+
+    counts, notes = resolve_counts(profiles([1.0] * 8), "auto", [torch.device("cuda", 0)], 4, "1f1b", measure=measure)
+    assert len(counts) == 2 and [len(c) for c in seen] == [1, 2, 3, 4]
+    assert "timed trial steps" in notes[0] and "2: 7.00 ms" in notes[0]
+
+
+def test_auto_over_separate_devices_prefers_a_pipeline():
+    devs = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    counts, _ = resolve_counts(profiles([1.0] * 8), "auto", devs, 8, "1f1b")
+    assert len(counts) >= 2
+
+
+def test_serial_device_simulation_is_the_sum_of_the_work():
+    profs = profiles([3.0] * 4)
+    sim = simulate_plan(profs, [2, 2], [CPU], 4, "gpipe")
+    assert sim.makespan == pytest.approx(4 * 12.0 + 2 * 2 * 4 * 0.05)
+
+
+def test_build_plan_fills_stage_rows():
+    profs = profiles([1.0, 2.0, 3.0])
+    p = build_plan(profs, [2, 1], [CPU], microbatches=4, microbatch_size=8, schedule="1f1b",
+                   batchnorm="batch", source="profile")
+    assert [s.blocks for s in p.stages] == [("b0", "b1"), ("b2",)]
+    assert p.stages[0].predicted_ms == pytest.approx(3.0) and p.stages[0].stream == "host"
+    # 1F1B: stage 0 of 2 keeps 2 microbatches of saved activations, the last stage 1.
+    assert p.stages[0].activation_mb == pytest.approx(2 * 2 * 4000 / 2**20)
+    assert p.stages[1].activation_mb == pytest.approx(1 * 4000 / 2**20)
