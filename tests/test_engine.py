@@ -206,7 +206,7 @@ def test_plan_before_and_after_steps():
     model = resnet18(width=4)
     engine = engine_for(model, microbatches=2, stages=3, measure_steps=2)
     with pytest.raises(RuntimeError, match="pass sample="):
-        engine.plan
+        _ = engine.plan
     batches = data(n=4, size=8, steps=3)
     for x, y in batches:
         engine.train_step(x, y)

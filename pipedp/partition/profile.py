@@ -141,42 +141,43 @@ def profile_blocks(
     x = sample.detach()
     bar = tqdm(blocks, desc="pipedp: profiling blocks", unit="block", delay=1.0, disable=not progress, leave=False)
     for i, block in enumerate(bar):
-        mod = block.module
-        params = _params(mod)
         inp = x.detach().requires_grad_(i > 0 and x.is_floating_point())
-        wrt = ([inp] if inp.requires_grad else []) + params
         copy = bool(copy_input[i]) if copy_input is not None else False
-
-        def run() -> torch.Tensor:
-            return mod(inp.clone() if copy else inp)
-
-        fwd_ms: list[float] = []
-        bwd_ms: list[float] = []
-        saved, y = _saved_bytes(run, list(mod.parameters()))
-        if not isinstance(y, torch.Tensor):
-            raise ValueError(f"block '{block.name}' returns {type(y).__name__}, not a tensor")
-        grad_out = torch.ones_like(y)
-        for r in range(warmup + repeats):
-            f_ms, y = timer(run)
-            if y.requires_grad and wrt:
-                b_ms, _ = timer(lambda: torch.autograd.grad(y, wrt, grad_out, allow_unused=True))
-            else:
-                b_ms = 0.0
-            if r >= warmup:
-                fwd_ms.append(f_ms)
-                bwd_ms.append(b_ms)
-        out.append(
-            BlockProfile(
-                block.name,
-                statistics.median(fwd_ms),
-                statistics.median(bwd_ms),
-                _nbytes(y),
-                saved,
-                sum(_nbytes(p) for p in mod.parameters()),
-            )
-        )
+        prof, y = _profile_block(block, inp, copy, timer, warmup, repeats)
+        out.append(prof)
         x = y.detach()
     return out
+
+
+def _profile_block(
+    block: Block, inp: torch.Tensor, copy: bool, timer: _Timer, warmup: int, repeats: int
+) -> tuple[BlockProfile, torch.Tensor]:
+    """Median forward and backward time of one block on ``inp``, and its output."""
+    mod = block.module
+    wrt = ([inp] if inp.requires_grad else []) + _params(mod)
+
+    def run() -> torch.Tensor:
+        return mod(inp.clone() if copy else inp)
+
+    saved, y = _saved_bytes(run, list(mod.parameters()))
+    if not isinstance(y, torch.Tensor):
+        raise ValueError(f"block '{block.name}' returns {type(y).__name__}, not a tensor")
+    grad_out = torch.ones_like(y)
+    fwd_ms: list[float] = []
+    bwd_ms: list[float] = []
+    for r in range(warmup + repeats):
+        f_ms, out = timer(run)
+        b_ms = 0.0
+        if out.requires_grad and wrt:
+            b_ms, _ = timer(lambda: torch.autograd.grad(out, wrt, grad_out, allow_unused=True))  # noqa: B023
+        if r >= warmup:
+            fwd_ms.append(f_ms)
+            bwd_ms.append(b_ms)
+    prof = BlockProfile(
+        block.name, statistics.median(fwd_ms), statistics.median(bwd_ms), _nbytes(y), saved,
+        sum(_nbytes(p) for p in mod.parameters()),
+    )
+    return prof, y
 
 
 # Nominal device throughput for the cost model. Only ratios between blocks on
