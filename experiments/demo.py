@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--stages", default="2", help="number of stages, or 'auto'")
     p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--lr", type=float, default=0.02, help="SGD learning rate (momentum 0.9), both sides")
     p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
     p.add_argument("--width", type=int, default=64, help="ResNet base width (64 is the real model)")
     p.add_argument("--windows", type=int, default=2, help="alternating timing windows per side")
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"machine: {describe(device)}")
     engine = pipedp.wrap(
         model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9),
+        optimizer=torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9),
         loss_fn=nn.CrossEntropyLoss(),
         microbatches=args.microbatches,
         stages=stages,
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"step {i}: loss {loss:.4f}  ({(time.perf_counter() - t0) * 1e3:.0f} ms)")
     print(engine.plan)
 
-    opt = torch.optim.SGD(plain_model.parameters(), lr=0.02, momentum=0.9)
+    opt = torch.optim.SGD(plain_model.parameters(), lr=args.lr, momentum=0.9)
 
     def plain_step(x: torch.Tensor, y: torch.Tensor) -> None:
         opt.zero_grad(set_to_none=True)

@@ -143,16 +143,15 @@ def profile_blocks(
     for i, block in enumerate(bar):
         inp = x.detach().requires_grad_(i > 0 and x.is_floating_point())
         copy = bool(copy_input[i]) if copy_input is not None else False
-        prof, y = _profile_block(block, inp, copy, timer, warmup, repeats)
+        prof, x = _profile_block(block, inp, copy, timer, warmup, repeats)  # x: detached output
         out.append(prof)
-        x = y.detach()
     return out
 
 
 def _profile_block(
     block: Block, inp: torch.Tensor, copy: bool, timer: _Timer, warmup: int, repeats: int
 ) -> tuple[BlockProfile, torch.Tensor]:
-    """Median forward and backward time of one block on ``inp``, and its output."""
+    """Median forward and backward time of one block on ``inp``, and its (detached) output."""
     mod = block.module
     wrt = ([inp] if inp.requires_grad else []) + _params(mod)
 
