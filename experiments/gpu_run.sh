@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU measurement as one command (no network, well under 10 minutes):
-# the CUDA tests, then the pipeline benchmark. Results (JSON + logs + device) go to OUTDIR.
+# the CUDA tests, the pipeline benchmark, then the data-parallel sync check
+# (one GPU, a data-parallel group of one: sync machinery vs none, and vs DDP).
+# Results (JSON + logs + device) go to OUTDIR.
 #   bash experiments/gpu_run.sh OUTDIR [--quick]
 set -uo pipefail
 out=${1:?usage: gpu_run.sh OUTDIR [--quick]}
@@ -20,4 +22,6 @@ else
 fi
 timeout 480 python3 -m experiments.bench_pipeline --device cuda "${bench[@]}" --out "$out/pipeline.json" 2>&1 \
   | tee "$out/bench.log" || status=1
+timeout 180 python3 -m experiments.bench_dp --device cuda --procs 1 --models resnet18,resnet50 --batch 128 \
+  --stages 2 --microbatches 4 --rounds 5 --steps 10 --out "$out/dp.json" 2>&1 | tee "$out/dp.log" || status=1
 exit $status

@@ -10,24 +10,33 @@ parameter or buffer is copied or renamed, so checkpoints load into plain code.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
+import warnings
 from typing import Any, Callable, Iterable, Sequence, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from . import checkpoint
+from .device import parse_device
+from .distributed import DEFAULT_TIMEOUT_S, DistributedError, Layout, check_backend, missing_note, resolve_layout
 from .partition.blocks import Block, Chain, blocks_of, check_chain, module_mode
 from .partition.profile import BlockProfile, estimate_blocks, preserved_state, profile_blocks
 from .pipeline import microbatch
 from .pipeline.batchnorm import DeferredBatchNorm
 from .pipeline.executor import Executor, StepTimer
+from .pipeline.gradsync import DEFAULT_BUCKET_BYTES, GradSync, SyncStats
 from .pipeline.graphed import StepGraph, captured_call, hyper_signature
+from .pipeline.p2p import Transport
 from .pipeline.schedule import get_schedule
 from .pipeline.stage import Stage
 from .pipeline.stream import new_lane
 from .plan import Plan
-from .planner import StagesSpec, build_plan, resolve_counts, stage_devices
+from .planner import StagesSpec, build_plan, resolve_counts, stage_devices, stage_places
+from .state import broadcast_decision, gather_rng, merge_pipeline_state, share_loss
 
 __all__ = ["Engine", "wrap"]
 
@@ -55,23 +64,7 @@ def resolve_devices(model: nn.Module, devices: DeviceSpec) -> list[torch.device]
         raise ValueError("devices is empty: pass None (the model's device), a device, or a list of devices")
     out: list[torch.device] = []
     for d in items:
-        try:
-            dev = torch.device(d)
-        except (RuntimeError, TypeError) as e:
-            raise ValueError(f"devices: {d!r} is not a device ({e}); use e.g. 'cpu', 'cuda', 'cuda:1'") from None
-        if dev.type == "cuda":
-            if not torch.cuda.is_available():
-                raise ValueError(
-                    f"devices asks for {dev} but CUDA is not available here: use devices='cpu', "
-                    f"or install a CUDA build of torch"
-                )
-            n = torch.cuda.device_count()
-            idx = torch.cuda.current_device() if dev.index is None else dev.index
-            if idx >= n:
-                raise ValueError(f"devices asks for {dev} but this machine has {n} CUDA device(s): cuda:0..cuda:{n - 1}")
-            dev = torch.device("cuda", idx)
-        elif dev.type != "cpu":
-            raise ValueError(f"devices: {dev} is not supported; pipedp runs on 'cpu' and 'cuda' devices")
+        dev = parse_device(d)
         out.append(dev)
     if len(set(out)) != len(out):
         raise ValueError(
@@ -142,6 +135,20 @@ class Engine:
             streams, loss, optimizer) as a CUDA graph after two eager steps and
             replay it; removes per-kernel launch cost. Optimizers with step
             counters need ``capturable=True``.
+
+    Under ``torch.distributed`` (launched with torchrun, process group initialised):
+        pp: pipeline ranks; the world is laid out as dp = world // pp replicas of
+            a pipeline spread over pp ranks (default 1: every rank holds the
+            whole pipeline on its own device and is one data-parallel replica).
+        mesh: a ``DeviceMesh`` with dims ``("dp", "pp")`` or ``("dp",)`` instead of ``pp``.
+        dp_group, pp_group: explicit process groups instead of ``pp``/``mesh``.
+        bucket_mb: gradient all-reduce bucket size (MiB), like DDP's ``bucket_cap_mb``.
+        reduce_dtype: ``torch.bfloat16``/``torch.float16`` to all-reduce gradients in
+            half the bytes (each rank's gradient is rounded before the sum).
+        timeout: seconds a collective or transfer may take before the step fails
+            with :class:`pipedp.DistributedError` (a peer died or hung).
+        distributed: False trains this process on its own even when a process
+            group exists (default: data parallel whenever one is initialised).
     """
 
     def __init__(
@@ -161,6 +168,14 @@ class Engine:
         measure_steps: int = 3,
         progress: bool = True,
         cuda_graph: bool = False,
+        pp: int = 1,
+        mesh: Any = None,
+        dp_group: Any = None,
+        pp_group: Any = None,
+        bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20,
+        reduce_dtype: torch.dtype | None = None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        distributed: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -190,6 +205,24 @@ class Engine:
         self._bn: DeferredBatchNorm | None = None
         self._snapshot: _BufferSnapshot | None = None
         self._graph: StepGraph | None = None
+        if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
+            raise ValueError(f"bucket_mb must be a positive number of MiB, got {bucket_mb!r}")
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        if reduce_dtype not in (None, torch.bfloat16, torch.float16):
+            raise ValueError(f"reduce_dtype must be None, torch.bfloat16 or torch.float16, got {reduce_dtype!r}")
+        self.reduce_dtype = reduce_dtype
+        self.layout: Layout | None = None
+        if distributed:
+            self.layout = resolve_layout(pp=pp, mesh=mesh, dp_group=dp_group, pp_group=pp_group, timeout=timeout)
+        self._sync: GradSync | None = None
+        self._transport: Transport | None = None
+        if self.layout is not None:
+            check_backend(self.devices, self.layout.pp)
+            if cuda_graph:
+                raise ValueError(
+                    "cuda_graph=True is not supported under torch.distributed yet: pass cuda_graph=False "
+                    "(collectives and transfers are issued eagerly)"
+                )
         if cuda_graph:
             if len(self.devices) != 1 or self.devices[0].type != "cuda":
                 raise ValueError(
@@ -233,47 +266,82 @@ class Engine:
         model = self.module
         model.to(first)
         sample = batch[: sizes[0]].to(first)
-        if self._stages_spec == 1:
+        lay = self.layout
+        ranks = lay.pp if lay is not None else 1
+        if self._stages_spec == 1 and ranks == 1:
             blocks, copy_input = [Block("model", model)], [False]
         else:
             blocks = blocks_of(model, depth=self.depth)
             copy_input = check_chain(model, blocks, sample)
         self._copy_input = copy_input
-        with preserved_state(model, self.devices), module_mode(model, training=True):
-            if self.profile:
-                profiles = profile_blocks(blocks, sample, progress=self.progress, copy_input=copy_input)
-            else:
-                profiles = estimate_blocks(blocks, sample)
-            measure = lambda counts: self._trial_ms(blocks, counts, batch)  # noqa: E731
-            counts, notes = resolve_counts(
-                profiles, self._stages_spec, self.devices, m, self.schedule, measure=measure
-            )
-        devs = stage_devices(len(counts), self.devices)
+        decision: Any = None
+        if lay is None or (lay.dp_rank == 0 and lay.pp_rank == 0):
+            try:
+                decision = self._decide(blocks, sample, batch, ranks)
+            except Exception as e:
+                if lay is None:
+                    raise
+                decision = e  # the other ranks must not wait for a decision forever
+        if lay is not None:
+            # Every rank must run the same cut: the first rank decides, the others follow.
+            decision = broadcast_decision(decision, lay)
+        if isinstance(decision, Exception):
+            raise decision
+        profiles, counts, notes = decision
+        local_devs = stage_devices(len(counts) // ranks, self.devices)
         if len(self.devices) > 1:
             notes = notes + [f"blocks were profiled on {first}; the other devices are assumed alike"]
-        if len(set(devs)) < len(self.devices):
-            notes = notes + [f"{len(counts)} stage(s) use {len(set(devs))} of {len(self.devices)} devices"]
+        if len(set(local_devs)) < len(self.devices):
+            notes = notes + [f"{len(counts) // ranks} stage(s) per rank use {len(set(local_devs))} of {len(self.devices)} devices"]
         self.executor = self._make_executor(blocks, counts, profiles)
+        if lay is not None:
+            self._sync = GradSync(
+                [list(st.chain.parameters()) for st in self.executor.stages], lay.dp_group,
+                bucket_bytes=self.bucket_bytes, reduce_dtype=self.reduce_dtype, timeout=lay.timeout,
+            )
         if self.optimizer is not None:
             _move_optimizer_state(self.optimizer)
         self._plan = build_plan(
             profiles, counts, self.devices, microbatches=m, microbatch_size=sizes[0],
             schedule=self.schedule, batchnorm=self.batchnorm,
             source="profile" if self.profile else "cost model", notes=notes,
+            ranks=ranks, layout=lay.describe() if lay is not None else "",
         )
         if self.batchnorm == "batch":
             self._bn = DeferredBatchNorm(model)
         self._snapshot = _BufferSnapshot(model)
 
+    def _decide(
+        self, blocks: Sequence[Block], sample: torch.Tensor, batch: torch.Tensor, ranks: int
+    ) -> tuple[list[BlockProfile], list[int], list[str]]:
+        """Profile the blocks and choose the cut."""
+        model = self.module
+        with preserved_state(model, self.devices), module_mode(model, training=True):
+            if self.profile:
+                profiles = profile_blocks(blocks, sample, progress=self.progress, copy_input=self._copy_input)
+            else:
+                profiles = estimate_blocks(blocks, sample)
+            measure = lambda counts: self._trial_ms(blocks, counts, batch)  # noqa: E731
+            counts, notes = resolve_counts(
+                profiles, self._stages_spec, self.devices, self.microbatches, self.schedule,
+                measure=measure, ranks=ranks,
+            )
+        return list(profiles), counts, notes
+
     def _make_executor(
         self, blocks: Sequence[Block], counts: Sequence[int], profiles: Sequence[BlockProfile] | None = None
     ) -> Executor:
-        devs = stage_devices(len(counts), self.devices)
+        lay = self.layout
+        ranks = lay.pp if lay is not None else 1
+        me = lay.pp_rank if lay is not None else 0
+        places = stage_places(len(counts), self.devices, ranks)
         stages, start = [], 0
         for s, k in enumerate(counts):
-            chain = Chain(list(blocks[start : start + k])).to(devs[s])
-            lane = new_lane(devs[s], f"stage{s}")
-            stages.append(Stage(s, chain, devs[s], lane, copy_input=self._copy_input[start]))
+            r, dev = places[s]
+            if r == me:
+                chain = Chain(list(blocks[start : start + k])).to(dev)
+                lane = new_lane(dev, f"stage{s}")
+                stages.append(Stage(s, chain, dev, lane, copy_input=self._copy_input[start]))
             start += k
         duration = None
         if profiles is not None:
@@ -283,7 +351,15 @@ class Engine:
                 bwd.append(sum(p.backward_ms for p in profiles[start : start + k]))
                 start += k
             duration = lambda s, a: fwd[s] if a.kind == "F" else bwd[s]  # noqa: E731
-        return Executor(stages, get_schedule(self.schedule)(len(counts), self.microbatches), duration=duration)
+        schedule = get_schedule(self.schedule)(len(counts), self.microbatches)
+        if ranks == 1:
+            return Executor(stages, schedule, duration=duration)
+        assert lay is not None
+        self._transport = Transport(lay.pp_group, self.devices[0], lay.timeout, step=self.steps)
+        stage_rank = [lay.pp_peer(r) for r, _ in places]
+        return Executor(
+            stages, schedule, duration=duration, stage_rank=stage_rank, rank=lay.rank, transport=self._transport
+        )
 
     def _trial_ms(self, blocks: Sequence[Block], counts: list[int], batch: torch.Tensor) -> float:
         """Median time of a few forward+backward passes of one candidate cut (no optimizer step).
@@ -324,10 +400,29 @@ class Engine:
         if self._timers and self.executor is not None:
             per_step = [t.stage_ms() for t in self._timers]
             m = self.microbatches
-            measured = [statistics.median(step[s] for step in per_step) / m for s in range(len(per_step[0]))]
+            mine = {st.index: k for k, st in enumerate(self.executor.stages)}
+            measured = [
+                statistics.median(step[mine[s]] for step in per_step) / m if s in mine else None
+                for s in range(self.executor.n)
+            ]
             self._plan = self._plan.with_measured(measured)
             self._timers = []
+        if self._sync is not None and self._sync.step:
+            st = self._sync.stats()
+            assert self.layout is not None
+            self._plan = self._plan.with_sync(
+                f"{st.buckets} bucket(s) of <= {self.bucket_bytes / 2**20:g} MiB over {self.layout.dp} replica(s); "
+                f"last step {st.sync_ms:.2f} ms in flight, {100 * st.hidden_fraction:.0f}% hidden behind backward, "
+                f"optimizer waited {st.exposed_ms:.2f} ms"
+            )
         return self._plan
+
+    def sync_stats(self) -> SyncStats | None:
+        """The last step's gradient sync: ms in flight, hidden behind compute, and waited for.
+
+        None when not distributed. On CUDA this waits for the last step's events.
+        """
+        return self._sync.stats() if self._sync is not None and self._sync.step else None
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """One optimizer step on the batch ``(x, y)``; returns the detached batch-mean loss.
@@ -348,8 +443,10 @@ class Engine:
             self._build(x)
         ex = self.executor
         assert ex is not None
-        x = x.to(ex.stages[0].device, non_blocking=True)
-        y = y.to(ex.stages[-1].device, non_blocking=True)
+        if ex.is_first:
+            x = x.to(ex.stages[0].device, non_blocking=True)
+        if ex.is_last:
+            y = y.to(ex.stages[-1].device, non_blocking=True)
         graph = self._graph
         if graph is not None:
             hyper = hyper_signature(self.optimizer)
@@ -364,8 +461,19 @@ class Engine:
         self._zero_grads()
         assert self._snapshot is not None
         self._snapshot.save()
+        for part in (self._sync, self._transport):
+            if part is not None:
+                part.step = self.steps
         try:
             loss = self._forward_backward(x, y, timer)
+            if self._sync is not None:
+                self._sync.wait()
+            if self.layout is not None and self.layout.pp > 1:
+                loss = share_loss(loss, self.layout, self.executor.stages[-1].device, self.steps)
+        except DistributedError as e:
+            self._recover()
+            note = missing_note(self.steps, self.layout.world) if self.layout is not None else ""
+            raise DistributedError(f"{e}{note}") from e.__cause__
         except BaseException:
             self._recover()
             raise
@@ -375,13 +483,13 @@ class Engine:
             self._timers.append(timer)
         return loss
 
-    def _forward_backward(self, x: torch.Tensor, y: torch.Tensor, timer: StepTimer | None = None) -> torch.Tensor:
+    def _forward_backward(self, x: torch.Tensor, y: torch.Tensor, timer: StepTimer | None = None) -> Any:
         assert self.executor is not None and self.loss_fn is not None
         xs, ys = microbatch.split(x, self.microbatches), microbatch.split(y, self.microbatches)
         weights = microbatch.shares([t.shape[0] for t in xs])
         if self._bn is not None:
             self._bn.begin()
-        return self.executor.train(xs, ys, weights, self.loss_fn, timer)
+        return self.executor.train(xs, ys, weights, self.loss_fn, timer, sync=self._sync)
 
     def _update(self) -> None:
         assert self.optimizer is not None
@@ -395,12 +503,19 @@ class Engine:
         return loss
 
     def _zero_grads(self) -> None:
+        if self._sync is not None:
+            # Gradients are views into the all-reduce buckets.
+            self.module.zero_grad(set_to_none=True)
+            self._sync.attach()
+            return
         # Once a CUDA graph holds the gradient buffers they are zeroed in place.
         self.module.zero_grad(set_to_none=self._graph is None or not self._graph.captured)
 
     def _recover(self) -> None:
         assert self.executor is not None and self._snapshot is not None
         self.executor._join()
+        if self._transport is not None:
+            self._transport.reset()
         if self._bn is not None:
             self._bn.abort()
         self._snapshot.restore()
@@ -415,12 +530,14 @@ class Engine:
             self._build(x)
         ex = self.executor
         assert ex is not None
-        x = x.to(ex.stages[0].device, non_blocking=True)
-        if x.shape[0] < self.microbatches:  # too small to pipeline: run the stages in turn
+        if ex.is_first:
+            x = x.to(ex.stages[0].device, non_blocking=True)
+        if x.shape[0] < self.microbatches and len(ex.stages) == ex.n:  # too small to pipeline: stages in turn
             for st in ex.stages:
                 x = st(x.to(st.device))
             return x
-        return microbatch.gather(ex.forward(microbatch.split(x, self.microbatches)))
+        outs = ex.forward(microbatch.split(x, self.microbatches))
+        return microbatch.gather(outs) if ex.is_last else None  # type: ignore[return-value]
 
     def eval(self) -> "Engine":
         self.module.eval()
@@ -431,14 +548,29 @@ class Engine:
         return self
 
     def state_dict(self) -> dict[str, Any]:
-        """Model (keys unchanged), optimizer and engine state."""
+        """Everything needed to resume: model (keys unchanged), optimizer, step, RNG states.
+
+        Under torch.distributed this is collective (call it on every rank): the
+        pipeline ranks' stages are merged into one full model, and every rank's
+        RNG state is gathered so that each can resume its own stream.
+        """
+        lay = self.layout
+        if lay is not None and lay.pp > 1 and self.executor is not None:
+            model, optim = merge_pipeline_state(self.module, self.executor.stages, self.optimizer, lay)
+        else:
+            model = self.module.state_dict()
+            optim = self.optimizer.state_dict() if self.optimizer is not None else None
+        rng = [checkpoint.rng_state()]
+        if lay is not None:
+            rng = gather_rng(rng[0])
         return {
-            "model": self.module.state_dict(),
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-            "engine": {"steps": self.steps, "format": 1},
+            "model": model,
+            "optimizer": optim,
+            "engine": {"steps": self.steps, "format": 2, "rng": rng},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`: model, optimizer, step and this rank's RNG states."""
         if not isinstance(state, dict) or not {"model", "optimizer", "engine"} <= set(state):
             raise ValueError(
                 "not an engine checkpoint (needs keys 'model', 'optimizer', 'engine'); "
@@ -454,6 +586,32 @@ class Engine:
                 raise ValueError("the checkpoint has optimizer state but this engine has no optimizer")
             self.optimizer.load_state_dict(state["optimizer"])
         self.steps = int(state["engine"].get("steps", 0))
+        rng = state["engine"].get("rng")
+        if rng:
+            rank, world = (dist.get_rank(), dist.get_world_size()) if self.layout is not None else (0, 1)
+            if len(rng) == world:
+                checkpoint.set_rng_state(rng[rank])
+            else:
+                warnings.warn(
+                    f"the checkpoint holds RNG states of {len(rng)} rank(s), this run has {world}: RNG states "
+                    f"are not restored, so random augmentation/dropout will not continue the saved streams",
+                    stacklevel=2,
+                )
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write :meth:`state_dict` to ``path`` atomically (global rank 0 writes; collective when distributed).
+
+        The file appears complete or not at all: a crash mid-save leaves the previous checkpoint.
+        """
+        state = self.state_dict()
+        if self.layout is None or dist.get_rank() == 0:
+            checkpoint.save(state, path)
+        if self.layout is not None:
+            dist.barrier()  # nobody reads the file before it exists
+
+    def load(self, path: str | os.PathLike) -> None:
+        """Resume from a file written by :meth:`save` (read as data only: ``weights_only=True``)."""
+        self.load_state_dict(checkpoint.load(path, map_location="cpu"))
 
     def __repr__(self) -> str:
         built = f"{len(self.executor.stages)} stages" if self.executor else "not built"

@@ -48,6 +48,8 @@ class Plan:
     predicted_step_ms: float
     source: str = "profile"  # "profile", "cost model" or "given"
     notes: tuple[str, ...] = field(default=())
+    layout: str = ""  # data parallel x pipeline ranks, when distributed
+    sync: str = ""  # the last measured gradient sync, when distributed
 
     @property
     def counts(self) -> list[int]:
@@ -65,10 +67,14 @@ class Plan:
             return None
         return _ratio([float(m) for m in ms])  # type: ignore[arg-type]
 
-    def with_measured(self, measured_ms: list[float]) -> "Plan":
+    def with_measured(self, measured_ms: "list[float | None]") -> "Plan":
+        """The plan with measured ms per stage (None for a stage measured elsewhere)."""
         if len(measured_ms) != len(self.stages):
             raise ValueError(f"{len(measured_ms)} measurements for {len(self.stages)} stages")
         return replace(self, stages=tuple(replace(s, measured_ms=m) for s, m in zip(self.stages, measured_ms)))
+
+    def with_sync(self, sync: str) -> "Plan":
+        return replace(self, sync=sync)
 
     def __str__(self) -> str:
         head = (
@@ -90,5 +96,9 @@ class Plan:
             tail += f", measured {mb:.2f}"
         tail += f"; predicted step {self.predicted_step_ms:.1f} ms"
         lines.append(tail)
+        if self.layout:
+            lines.append(f"layout: {self.layout}")
+        if self.sync:
+            lines.append(f"gradient sync: {self.sync}")
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)

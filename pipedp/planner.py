@@ -20,7 +20,7 @@ from .pipeline.schedule import Action, get_schedule
 from .pipeline.simulate import Simulation, simulate
 from .plan import Plan, StagePlan
 
-__all__ = ["StagesSpec", "stage_devices", "resolve_counts", "simulate_plan", "build_plan"]
+__all__ = ["StagesSpec", "stage_devices", "stage_places", "resolve_counts", "simulate_plan", "build_plan"]
 
 StagesSpec = Union[int, str, Sequence[int]]
 
@@ -35,6 +35,13 @@ def stage_devices(stages: int, devices: Sequence[torch.device]) -> list[torch.de
     """Device of each stage: contiguous groups of stages per device, in order."""
     d = len(devices)
     return [devices[s * d // stages] if stages >= d else devices[s] for s in range(stages)]
+
+
+def stage_places(stages: int, devices: Sequence[torch.device], ranks: int = 1) -> list[tuple[int, torch.device]]:
+    """(pipeline rank, device) of each stage: ``stages // ranks`` contiguous stages per rank."""
+    k = stages // ranks
+    local = stage_devices(k, devices)
+    return [(s // k, local[s % k]) for s in range(stages)]
 
 
 def _transfer_ms(profiles: Sequence[BlockProfile]) -> list[float]:
@@ -61,10 +68,11 @@ def simulate_plan(
     devices: Sequence[torch.device],
     microbatches: int,
     schedule: str,
+    ranks: int = 1,
 ) -> Simulation:
     """Simulated step of the cut ``counts`` with per-stage times from the profiles."""
     groups = _per_stage(profiles, counts)
-    devs = stage_devices(len(counts), devices)
+    devs = stage_places(len(counts), devices, ranks)
     fwd = [sum(p.forward_ms for p in g) for g in groups]
     bwd = [sum(p.backward_ms for p in g) for g in groups]
     for s in range(len(counts) - 1):
@@ -76,7 +84,7 @@ def simulate_plan(
     def duration(s: int, a: Action) -> float:
         return (fwd[s] if a.kind == "F" else bwd[s]) + ACTION_OVERHEAD_MS
 
-    keys = [str(d) if _serial(d) else f"{d}/stream{s}" for s, d in enumerate(devs)]
+    keys = [f"{r}/{d}" if _serial(d) else f"{r}/{d}/stream{s}" for s, (r, d) in enumerate(devs)]
     resources = [keys.index(k) for k in keys]
     return simulate(get_schedule(schedule)(len(counts), microbatches), duration=duration, resources=resources)
 
@@ -88,17 +96,25 @@ def resolve_counts(
     microbatches: int,
     schedule: str,
     measure: Callable[[list[int]], float] | None = None,
+    ranks: int = 1,
 ) -> tuple[list[int], list[str]]:
-    """Block counts per stage for a stages spec (int, "auto", or given counts), with notes."""
+    """Block counts per stage for a stages spec (int, "auto", or given counts), with notes.
+
+    With ``ranks`` pipeline ranks the stage count is a multiple of ``ranks``
+    (``"auto"`` gives one stage per rank).
+    """
     n = len(profiles)
     costs = [p.cost_ms for p in profiles]
     if isinstance(stages, str):
         if stages != "auto":
             raise ValueError(f"stages must be an int, 'auto' or a list of block counts, got {stages!r}")
-        return _auto(profiles, devices, microbatches, schedule, measure)
+        if ranks == 1:
+            return _auto(profiles, devices, microbatches, schedule, measure)
+        stages = ranks
     if isinstance(stages, int) and not isinstance(stages, bool):
-        devs = stage_devices(stages, devices) if stages >= 1 else []
-        transfer = _transfer_ms(profiles) if len(set(devs)) == stages > 1 else None
+        _check_ranks(stages, ranks, n)
+        places = stage_places(stages, devices, ranks) if stages >= 1 else []
+        transfer = _transfer_ms(profiles) if len(set(places)) == stages > 1 else None
         return balance(costs, stages, transfer=transfer), []
     try:
         counts = [int(k) for k in stages]  # type: ignore[union-attr]
@@ -106,7 +122,16 @@ def resolve_counts(
         raise ValueError(f"stages must be an int, 'auto' or a list of block counts, got {stages!r}") from None
     if any(k < 1 for k in counts) or sum(counts) != n:
         raise ValueError(f"stages={counts} must be positive block counts summing to the model's {n} blocks")
+    _check_ranks(len(counts), ranks, n)
     return counts, ["cut given by the user"]
+
+
+def _check_ranks(stages: int, ranks: int, blocks: int) -> None:
+    if ranks > 1 and (stages < ranks or stages % ranks):
+        raise ValueError(
+            f"{stages} stage(s) cannot be spread over pp={ranks} pipeline ranks: use a multiple of {ranks} "
+            f"(at most the model's {blocks} blocks), or stages='auto' for one stage per rank"
+        )
 
 
 def _auto(
@@ -156,17 +181,20 @@ def build_plan(
     batchnorm: str,
     source: str,
     notes: Sequence[str] = (),
+    ranks: int = 1,
+    layout: str = "",
 ) -> Plan:
-    sim = simulate_plan(profiles, counts, devices, microbatches, schedule)
-    devs = stage_devices(len(counts), devices)
+    sim = simulate_plan(profiles, counts, devices, microbatches, schedule, ranks)
+    places = stage_places(len(counts), devices, ranks)
     stages = []
     for s, group in enumerate(_per_stage(profiles, counts)):
+        r, dev = places[s]
         stages.append(
             StagePlan(
                 index=s,
                 blocks=tuple(p.name for p in group),
-                device=str(devs[s]),
-                stream=f"stream{s}" if devs[s].type == "cuda" else "host",
+                device=str(dev) if ranks == 1 else f"pp{r}:{dev}",
+                stream=f"stream{s}" if dev.type == "cuda" else "host",
                 predicted_ms=sum(p.cost_ms for p in group),
                 activation_mb=sum(p.saved_bytes for p in group) * sim.peak_activations[s] / _MiB,
                 param_mb=sum(p.param_bytes for p in group) / _MiB,
@@ -181,4 +209,5 @@ def build_plan(
         predicted_step_ms=sim.makespan,
         source=source,
         notes=tuple(notes),
+        layout=layout,
     )

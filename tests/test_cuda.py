@@ -231,3 +231,46 @@ def test_stages_on_two_gpus_equal_plain_training():
     assert [s.device.index for s in engine.executor.stages] == [0, 0, 1, 1]
     plain_steps(ref, batches, microbatches=3)
     assert max_diff(model.cuda(0), ref) <= TOL
+
+
+def _nccl_dp(rank, world, stages):
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    model = resnet18(width=8).cuda()
+    plain = clone(model)
+    batches = cuda_batches(n=8, size=16, steps=3, seed=rank)
+    synced = wrap(model, microbatches=2, stages=stages, bucket_mb=0.25)
+    alone = wrap(plain, microbatches=2, stages=stages, distributed=False)
+    torch.cuda.set_sync_debug_mode("warn")
+    for x, y in batches:
+        synced.train_step(x, y)
+        alone.train_step(x, y)
+    torch.cuda.set_sync_debug_mode(0)
+    st = synced.sync_stats()
+    return {"diff": max_diff(model, plain), "buckets": st.buckets, "hidden": st.hidden_fraction}
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_nccl_gradient_sync_on_side_streams_with_a_group_of_one(stages):
+    from tests import multiproc
+
+    (res,) = multiproc.run(_nccl_dp, 1, stages, backend="nccl")
+    # A group of one: the all-reduce averages over one replica, so training equals the engine without sync.
+    assert res["diff"] <= TOL and res["buckets"] > 1 and 0 <= res["hidden"] <= 1
+
+
+def _prefetch_into_engine(rank, world):
+    torch.manual_seed(0)
+    model = sequential_cnn().cuda()
+    engine = wrap(model, microbatches=2, stages=2)
+    host = [(x.pin_memory(), y.pin_memory()) for x, y in data(n=8, size=16, steps=3)]
+    losses = [engine.train_step(x, y).item() for x, y in pipedp.data.prefetch(host, "cuda")]
+    return losses
+
+
+def test_prefetch_feeds_a_distributed_engine_over_nccl():
+    from tests import multiproc
+
+    (losses,) = multiproc.run(_prefetch_into_engine, 1, backend="nccl")
+    assert len(losses) == 3 and all(v == v for v in losses)

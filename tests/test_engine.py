@@ -355,3 +355,27 @@ def test_no_autograd_graph_outlives_wrap_or_a_step():
     assert _live_graph_tensors() == []
     engine.train_step(x, y)
     assert _live_graph_tensors() == []
+
+
+def test_save_and_load_resume_bit_identically_with_dropout(tmp_path):
+    def fresh():
+        torch.manual_seed(0)
+        model = nn.Sequential(sequential_cnn(), nn.Dropout(0.5))  # dropout draws from the RNG
+        return engine_for(model, microbatches=2, stages=2, depth=2)
+
+    batches = data(n=8, size=8, steps=6, seed=9)
+    a = fresh()
+    for x, y in batches[:3]:
+        a.train_step(x, y)
+    a.save(tmp_path / "ckpt.pt")
+    for x, y in batches[3:]:
+        a_loss = a.train_step(x, y)
+    b = fresh()
+    torch.manual_seed(1234)  # a new process would start from other RNG states
+    b.load(tmp_path / "ckpt.pt")
+    assert b.steps == 3
+    for x, y in batches[3:]:
+        b_loss = b.train_step(x, y)
+    assert torch.equal(a_loss, b_loss)
+    assert all(torch.equal(p, q) for p, q in zip(a.module.state_dict().values(), b.module.state_dict().values()))
+    assert set(torch.load(tmp_path / "ckpt.pt", weights_only=True)["engine"]) == {"steps", "format", "rng"}

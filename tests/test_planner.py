@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from pipedp.partition import BlockProfile
-from pipedp.planner import build_plan, resolve_counts, simulate_plan, stage_devices
+from pipedp.planner import build_plan, resolve_counts, simulate_plan, stage_devices, stage_places
 
 CPU = torch.device("cpu")
 
@@ -66,3 +66,18 @@ def test_build_plan_fills_stage_rows():
     # 1F1B: stage 0 of 2 keeps 2 microbatches of saved activations, the last stage 1.
     assert p.stages[0].activation_mb == pytest.approx(2 * 2 * 4000 / 2**20)
     assert p.stages[1].activation_mb == pytest.approx(1 * 4000 / 2**20)
+
+
+def test_pipeline_ranks_get_contiguous_stages_and_overlap():
+    assert stage_places(4, [CPU], ranks=2) == [(0, CPU), (0, CPU), (1, CPU), (1, CPU)]
+    profs = profiles([1, 1, 1, 1])
+    assert resolve_counts(profs, "auto", [CPU], 4, "1f1b", ranks=2)[0] == [2, 2]
+    # Stages on different ranks run concurrently even on CPUs: the step is shorter than serial.
+    serial = simulate_plan(profs, [2, 2], [CPU], 4, "1f1b").makespan
+    assert simulate_plan(profs, [2, 2], [CPU], 4, "1f1b", ranks=2).makespan < serial
+    plan = build_plan(profs, [2, 2], [CPU], microbatches=4, microbatch_size=2, schedule="1f1b",
+                      batchnorm="microbatch", source="cost model", ranks=2, layout="2 ranks")
+    assert [s.device for s in plan.stages] == ["pp0:cpu", "pp1:cpu"] and "layout: 2 ranks" in str(plan)
+    for bad in (3, [1, 1, 2]):
+        with pytest.raises(ValueError, match="multiple of 2"):
+            resolve_counts(profs, bad, [CPU], 4, "1f1b", ranks=2)

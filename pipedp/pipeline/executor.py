@@ -13,10 +13,12 @@ stand-in and the same code runs sequentially.
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
+from .p2p import Transport
+from .ranks import check_programs, rank_programs
 from .schedule import Action, Schedule, forward_only
 from .simulate import simulate
 from .stage import Stage
@@ -78,7 +80,13 @@ def _loss_error(loss: object) -> str | None:
 
 
 class Executor:
-    """Runs training and inference steps of a fixed pipeline over microbatches."""
+    """Runs training and inference steps of a fixed pipeline over microbatches.
+
+    ``stages`` are this rank's stages (``Stage.index`` is the global index);
+    ``schedule`` covers all of them. Without ``stage_rank`` every stage is
+    local; with it, ``stage_rank[s]`` is the global rank running stage s and
+    ``transport`` moves values to and from the other ranks.
+    """
 
     def __init__(
         self,
@@ -86,16 +94,35 @@ class Executor:
         schedule: Schedule,
         *,
         duration: Callable[[int, Action], float] | None = None,
+        stage_rank: Sequence[int] | None = None,
+        rank: int = 0,
+        transport: Transport | None = None,
     ) -> None:
-        self.stages = list(stages)
-        n = len(self.stages)
-        if len(schedule) != n:
-            raise ValueError(f"schedule has {len(schedule)} stages, the pipeline {n}")
+        self.stages = sorted(stages, key=lambda st: st.index)
+        self.n = n = len(schedule)
+        self.local = {st.index: st for st in self.stages}
+        self.pos = {st.index: k for k, st in enumerate(self.stages)}
+        self.stage_rank = list(stage_rank) if stage_rank is not None else [rank] * n
+        self.rank = rank
+        mine = {s for s in range(n) if self.stage_rank[s] == rank}
+        if len(self.stage_rank) != n or set(self.local) != mine:
+            raise ValueError(
+                f"schedule has {n} stages; this rank ({rank}) should hold stages {sorted(mine)} "
+                f"but was given {sorted(self.local)}"
+            )
+        self.transport = transport
+        if transport is None and len(mine) != n:
+            raise ValueError("stages on other ranks need a transport")
         self.microbatches = len({a.microbatch for a in schedule[0]})
-        self.train_order = simulate(schedule, duration=duration).order
-        self.infer_order = simulate(
-            forward_only(n, self.microbatches), training=False, duration=duration
-        ).order
+        train = simulate(schedule, duration=duration).order
+        infer = simulate(forward_only(n, self.microbatches), training=False, duration=duration).order
+        if len(set(self.stage_rank)) > 1:
+            check_programs(rank_programs(train, self.stage_rank))
+            check_programs(rank_programs(infer, self.stage_rank))
+        self.train_order = [(s, a) for s, a in train if s in mine]
+        self.infer_order = [(s, a) for s, a in infer if s in mine]
+        self.last_backward = {s: [a for a in schedule[s] if a.kind == "B"][-1].microbatch for s in mine}
+        self.is_first, self.is_last = 0 in mine, n - 1 in mine
         self.devices = list(dict.fromkeys(s.device for s in self.stages))
         # One copy lane per device: cross-device copies run on the source device's copy lane.
         self.copy_lanes = {d: new_lane(d, f"copy:{d}") for d in self.devices if len(self.devices) > 1}
@@ -134,6 +161,24 @@ class Executor:
         copy.keep(t)
         return out
 
+    def _run(self, order: list[tuple[int, Action]], step: "_Step", sync: GradSyncLike | None = None) -> None:
+        self._fork()
+        for s, act in order:
+            lane = self.local[s].lane
+            with lane.use():
+                if act.kind == "F":
+                    step.forward(s, act.microbatch)
+                    continue
+                last = sync is not None and act.microbatch == self.last_backward[s]
+                if last:
+                    sync.arm(self.pos[s])
+                step.backward(s, act.microbatch)
+                if last:
+                    sync.finish(self.pos[s])
+        if self.transport is not None:
+            self.transport.flush()
+        self._join()
+
     # -- training -------------------------------------------------------------------------------
     def train(
         self,
@@ -142,88 +187,92 @@ class Executor:
         weights: Sequence[float],
         loss_fn: LossFn,
         timer: StepTimer | None = None,
-    ) -> torch.Tensor:
+        sync: GradSyncLike | None = None,
+    ) -> torch.Tensor | None:
         """Forward and backward of every microbatch; returns the weighted loss sum (detached).
 
-        ``xs`` must be on the first stage's device and ``ys`` on the last's.
-        Each microbatch's loss is multiplied by ``weights[i]`` before its
-        backward; gradients accumulate in the parameters' ``.grad``.
+        ``xs`` must be on the first stage's device and ``ys`` on the last's
+        (on other pipeline ranks only their shapes matter). Each microbatch's
+        loss is multiplied by ``weights[i]`` before its backward; gradients
+        accumulate in the parameters' ``.grad``. ``sync.arm(k)``/``sync.finish(k)``
+        bracket the last backward of local stage k. Returns None on a rank
+        without the last stage.
         """
         m = self.microbatches
         if not (len(xs) == len(ys) == len(weights) == m):
             raise ValueError(f"expected {m} microbatches, got {len(xs)} inputs and {len(ys)} targets")
-        step = _TrainStep(self, xs, ys, weights, loss_fn)
-        self._fork()
-        for s, act in self.train_order:
-            lane = self.stages[s].lane
-            with lane.use():
-                if act.kind == "F":
-                    step.forward(s, act.microbatch, timer)
-                else:
-                    step.backward(s, act.microbatch, timer)
-        self._join()
-        assert step.total is not None
-        current_lane(self.stages[-1].device).keep(step.total)
+        step = _Step(self, xs, ys, weights, loss_fn, timer)
+        self._run(self.train_order, step, sync)
+        if step.total is not None:
+            current_lane(self.stages[-1].device).keep(step.total)
         return step.total
 
     # -- inference ------------------------------------------------------------------------------
     def forward(self, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Forward of every microbatch (under the caller's grad mode); outputs of the last stage."""
-        n, m = len(self.stages), self.microbatches
+        """Forward of every microbatch (under the caller's grad mode); outputs of the last stage.
+
+        On a rank without the last stage the list is empty.
+        """
+        m = self.microbatches
         if len(xs) != m:
             raise ValueError(f"expected {m} microbatches, got {len(xs)}")
-        outputs: list[list[torch.Tensor | None]] = [[None] * m for _ in range(n)]
-        events: list[list] = [[None] * m for _ in range(n)]
-        self._fork()
-        for s, act in self.infer_order:
-            stage, i = self.stages[s], act.microbatch
-            with stage.lane.use():
-                if s == 0:
-                    inp = self._move(xs[i], None, xs[i].device, stage.lane)
-                else:
-                    prev = outputs[s - 1][i]
-                    outputs[s - 1][i] = None
-                    assert prev is not None
-                    inp = self._move(prev, events[s - 1][i], self.stages[s - 1].device, stage.lane)
-                outputs[s][i] = stage(inp)
-                events[s][i] = stage.lane.record()
-        self._join()
+        step = _Step(self, xs, None, None, None, None)
+        self._run(self.infer_order, step)
+        if not self.is_last:
+            return []
         cur = current_lane(self.stages[-1].device)
-        result = [o for o in outputs[-1] if o is not None]
+        result = [o for o in step.outputs[self.n - 1] if o is not None]
         for o in result:
             cur.keep(o)
         return result
 
 
-class _TrainStep:
-    """The in-flight tensors and events of one training step."""
+class GradSyncLike(Protocol):
+    def arm(self, stage: int) -> None: ...
 
-    def __init__(self, ex: Executor, xs, ys, weights, loss_fn: LossFn) -> None:
-        n, m = len(ex.stages), ex.microbatches
-        self.ex, self.xs, self.ys, self.weights, self.loss_fn = ex, xs, ys, weights, loss_fn
+    def finish(self, stage: int) -> None: ...
+
+
+class _Step:
+    """The in-flight tensors and events of one step (training when ``loss_fn`` is given)."""
+
+    def __init__(self, ex: Executor, xs, ys, weights, loss_fn: LossFn | None, timer: StepTimer | None) -> None:
+        n, m = ex.n, ex.microbatches
+        self.ex, self.xs, self.ys, self.weights, self.loss_fn, self.timer = ex, xs, ys, weights, loss_fn, timer
         self.inputs: list[list[torch.Tensor | None]] = [[None] * m for _ in range(n)]
         self.outputs: list[list[torch.Tensor | None]] = [[None] * m for _ in range(n)]
         self.losses: list[torch.Tensor | None] = [None] * m
         self.fwd_ev: list[list] = [[None] * m for _ in range(n)]
         self.bwd_ev: list[list] = [[None] * m for _ in range(n)]
         self.total: torch.Tensor | None = None
+        # Both sides of a rank boundary derive message keys from the same input signature.
+        self.keys = [(tuple(x.shape), x.dtype, loss_fn is not None) for x in xs]
 
-    def forward(self, s: int, i: int, timer: StepTimer | None) -> None:
-        ex = self.ex
-        stage = ex.stages[s]
+    def _peer(self, s: int) -> int:
+        return self.ex.stage_rank[s]
+
+    def forward(self, s: int, i: int) -> None:
+        ex, timer = self.ex, self.timer
+        stage = ex.local[s]
         lane = stage.lane
         if s == 0:
             inp = ex._move(self.xs[i], None, self.xs[i].device, lane)
-        else:
+        elif s - 1 in ex.local:
             prev = self.outputs[s - 1][i]
             assert prev is not None
-            inp = ex._move(prev.detach(), self.fwd_ev[s - 1][i], ex.stages[s - 1].device, lane)
+            inp = ex._move(prev.detach(), self.fwd_ev[s - 1][i], ex.local[s - 1].device, lane)
             inp.requires_grad_(prev.requires_grad)
-        self.inputs[s][i] = inp
+            if self.loss_fn is None:  # inference keeps nothing for a backward
+                self.outputs[s - 1][i] = None
+        else:
+            assert ex.transport is not None
+            inp = ex.transport.recv_activation(self._peer(s - 1), (s - 1, self.keys[i]))
+        if self.loss_fn is not None:
+            self.inputs[s][i] = inp
         if timer is not None:
             timer.begin(lane)
         out = stage(inp)
-        if s == len(ex.stages) - 1:
+        if s == ex.n - 1 and self.loss_fn is not None:
             loss = self.loss_fn(out, ex._move(self.ys[i], None, self.ys[i].device, lane))
             err = _loss_error(loss)
             if err:
@@ -235,35 +284,50 @@ class _TrainStep:
             if not isinstance(out, torch.Tensor):
                 raise ValueError(f"stage {s} ({stage.names[-1]}) returned {type(out).__name__}, not a tensor")
             self.outputs[s][i] = out
+            if s + 1 < ex.n and s + 1 not in ex.local:
+                assert ex.transport is not None
+                ex.transport.send_activation(out, self._peer(s + 1), (s, self.keys[i]))
         if timer is not None:
-            timer.end(s, lane)
+            timer.end(ex.pos[s], lane)
         self.fwd_ev[s][i] = lane.record()
 
-    def backward(self, s: int, i: int, timer: StepTimer | None) -> None:
-        ex = self.ex
-        stage = ex.stages[s]
+    def backward(self, s: int, i: int) -> None:
+        ex, timer = self.ex, self.timer
+        stage = ex.local[s]
         lane = stage.lane
         # Backward runs outside autocast (autograd replays the forward's dtypes).
         with torch.autocast(stage.device.type, enabled=False):
-            if s == len(ex.stages) - 1:
+            if s == ex.n - 1:
                 loss, self.losses[i] = self.losses[i], None
                 assert loss is not None
                 if timer is not None:
                     timer.begin(lane)
                 torch.autograd.backward(loss)
             else:
-                out, nxt = self.outputs[s][i], self.inputs[s + 1][i]
-                self.outputs[s][i] = self.inputs[s + 1][i] = None
-                assert out is not None and nxt is not None
+                out = self.outputs[s][i]
+                self.outputs[s][i] = None
+                assert out is not None
                 grad = None
-                if out.requires_grad and nxt.grad is not None:
-                    grad = ex._move(nxt.grad, self.bwd_ev[s + 1][i], ex.stages[s + 1].device, lane)
+                if s + 1 in ex.local:
+                    nxt, self.inputs[s + 1][i] = self.inputs[s + 1][i], None
+                    assert nxt is not None
+                    if out.requires_grad and nxt.grad is not None:
+                        grad = ex._move(nxt.grad, self.bwd_ev[s + 1][i], ex.local[s + 1].device, lane)
+                elif out.requires_grad:
+                    assert ex.transport is not None
+                    grad = ex.transport.recv_grad(out, self._peer(s + 1))
                 if timer is not None:
                     timer.begin(lane)
                 if grad is not None:
                     torch.autograd.backward(out, grad)
+        if s > 0 and s - 1 not in ex.local:
+            inp, self.inputs[s][i] = self.inputs[s][i], None
+            assert inp is not None and ex.transport is not None
+            if inp.requires_grad:
+                g = inp.grad if inp.grad is not None else torch.zeros_like(inp)
+                ex.transport.send_grad(g, self._peer(s - 1))
         if s == 0:
             self.inputs[0][i] = None
         if timer is not None:
-            timer.end(s, lane)
+            timer.end(ex.pos[s], lane)
         self.bwd_ev[s][i] = lane.record()

@@ -1,0 +1,30 @@
+"""Turning what a user passes as a device into a checked ``torch.device``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["parse_device"]
+
+
+def parse_device(d: Any, what: str = "devices") -> torch.device:
+    """``d`` as a device that exists here (``cuda`` gets its index); a clear error otherwise."""
+    try:
+        dev = torch.device(d)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"{what}: {d!r} is not a device ({e}); use e.g. 'cpu', 'cuda', 'cuda:1'") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"{what} asks for {dev} but CUDA is not available here: use 'cpu', or install a CUDA build of torch"
+            )
+        n = torch.cuda.device_count()
+        idx = torch.cuda.current_device() if dev.index is None else dev.index
+        if idx >= n:
+            raise ValueError(f"{what} asks for {dev} but this machine has {n} CUDA device(s): cuda:0..cuda:{n - 1}")
+        return torch.device("cuda", idx)
+    if dev.type != "cpu":
+        raise ValueError(f"{what}: {dev} is not supported; pipedp runs on 'cpu' and 'cuda' devices")
+    return dev

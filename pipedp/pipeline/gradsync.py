@@ -1,0 +1,266 @@
+"""Gradient averaging over the data-parallel group, overlapped with backward.
+
+Every stage's parameters are packed into buckets (flat buffers of about
+``bucket_bytes``, in reverse registration order like DDP, since backward reaches
+the last layers first); each parameter's ``.grad`` is a view into its bucket,
+so nothing is copied in or out. Gradients accumulate over microbatches; during
+a stage's *last* backward of the step a bucket is all-reduced (asynchronously,
+on that stage's own communication lane) the moment its last parameter has
+accumulated, while this and other stages are still in backward. The optimizer
+waits only on those collectives (:meth:`GradSync.wait`).
+
+Averaging: each bucket is divided by the group size and summed, which equals
+the gradient of the global batch's mean loss when every rank feeds an equal
+local batch. With ``reduce_dtype`` (bf16/fp16) the bucket travels in that dtype:
+half the bytes, at the cost of rounding each rank's contribution to 8 (bf16) or
+11 (fp16) significant bits before the sum.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..distributed import DistributedError
+from .stream import Lane, current_lane, new_lane
+
+__all__ = ["GradSync", "SyncStats", "DEFAULT_BUCKET_BYTES"]
+
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb
+FIRST_BUCKET_BYTES = 1024 * 1024  # DDP's first bucket
+
+
+@dataclass
+class SyncStats:
+    """Timing of one step's gradient sync: how much of it ran behind compute."""
+
+    buckets: int = 0
+    sync_ms: float = 0.0  # time some bucket was in flight
+    hidden_ms: float = 0.0  # part of that before the optimizer had to wait
+    exposed_ms: float = 0.0  # the optimizer's wait
+
+    @property
+    def hidden_fraction(self) -> float:
+        return self.hidden_ms / self.sync_ms if self.sync_ms > 0 else 1.0
+
+
+@dataclass
+class _Bucket:
+    stage: int
+    params: list[nn.Parameter]
+    flat: torch.Tensor
+    pending: int = 0
+    work: Any = None
+    wire: torch.Tensor | None = None  # the reduce_dtype copy in flight
+    issued: float = 0.0
+    done: list[float] = field(default_factory=list)
+    events: tuple[Any, Any] | None = None
+
+
+def _pack(params: Sequence[nn.Parameter], cap: int, first_cap: int | None = None) -> list[list[nn.Parameter]]:
+    """Buckets of at most ``cap`` bytes (a bigger parameter gets its own), one dtype/device each.
+
+    The first bucket (the last layers) is capped at ``first_cap``, like DDP's
+    1 MiB first bucket, so that the first all-reduce starts early in backward.
+    """
+    out: list[list[nn.Parameter]] = []
+    cur: list[nn.Parameter] = []
+    size = 0
+    for p in reversed(list(params)):
+        nbytes = p.numel() * p.element_size()
+        limit = cap if out or first_cap is None else min(cap, first_cap)
+        if cur and (size + nbytes > limit or (p.dtype, p.device) != (cur[0].dtype, cur[0].device)):
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(p)
+        size += nbytes
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _union_ms(intervals: list[tuple[float, float]], until: float) -> tuple[float, float]:
+    """Length of the union of ``intervals`` and of its part before ``until`` (seconds in, ms out)."""
+    total = before = 0.0
+    end = float("-inf")
+    for a, b in sorted(intervals):
+        a = max(a, end)
+        if b > a:
+            total += b - a
+            before += max(0.0, min(b, until) - a)
+            end = b
+    return total * 1e3, before * 1e3
+
+
+class GradSync:
+    """Averages each stage's gradients over ``group`` as soon as that stage's backward ends."""
+
+    def __init__(
+        self,
+        stage_params: Sequence[Sequence[nn.Parameter]],
+        group: Any,
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        reduce_dtype: torch.dtype | None = None,
+        timeout: datetime.timedelta = datetime.timedelta(minutes=10),
+    ) -> None:
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes")
+        if reduce_dtype not in (None, torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"reduce_dtype must be None, torch.bfloat16 or torch.float16, got {reduce_dtype}")
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.reduce_dtype = reduce_dtype
+        self.timeout = timeout
+        self.step = 0
+        self.buckets: list[_Bucket] = []
+        self._of: dict[int, _Bucket] = {}
+        self._armed: set[int] = set()
+        seen: set[int] = set()
+        self.lanes: list[Lane] = []
+        for s, params in enumerate(stage_params):
+            mine = [p for p in params if p.requires_grad and id(p) not in seen]
+            seen.update(id(p) for p in mine)
+            for ps in _pack(mine, bucket_bytes, FIRST_BUCKET_BYTES):
+                flat = torch.zeros(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device)
+                b = _Bucket(s, ps, flat)
+                self.buckets.append(b)
+                for p in ps:
+                    self._of[id(p)] = b
+            dev = mine[0].device if mine else torch.device("cpu")
+            self.lanes.append(new_lane(dev, f"gradsync{s}"))
+        self._hooks = [p.register_post_accumulate_grad_hook(self._accumulated) for b in self.buckets for p in b.params]
+        self.last = SyncStats()
+        self._wait_started = 0.0
+        self._wait_events: dict[torch.device, Any] = {}
+
+    # -- per step -------------------------------------------------------------------------------
+    def attach(self) -> None:
+        """Zero the buckets and make every ``.grad`` a view into its bucket (before a step)."""
+        with torch.no_grad():
+            for b in self.buckets:
+                b.flat.zero_()
+                b.work, b.wire, b.done, b.events = None, None, [], None
+                off = 0
+                for p in b.params:
+                    n = p.numel()
+                    p.grad = b.flat[off : off + n].view_as(p)
+                    off += n
+        self._armed.clear()
+
+    def arm(self, stage: int) -> None:
+        """Stage ``stage`` starts its last backward: launch each bucket when it is complete."""
+        self._armed.add(stage)
+        for b in self.buckets:
+            if b.stage == stage:
+                b.pending = len(b.params)
+
+    def finish(self, stage: int) -> None:
+        """Stage ``stage``'s backward is over: launch buckets with parameters that got no gradient."""
+        for b in self.buckets:
+            if b.stage == stage and b.work is None:
+                self._launch(b)
+        self._armed.discard(stage)
+
+    def _accumulated(self, p: torch.Tensor) -> None:
+        b = self._of.get(id(p))
+        if b is None or b.stage not in self._armed or b.work is not None:
+            return
+        b.pending -= 1
+        if b.pending == 0:
+            self._launch(b)
+
+    def _launch(self, b: _Bucket) -> None:
+        lane = self.lanes[b.stage]
+        dev = b.flat.device
+        if lane.is_cuda:
+            # The bucket's last accumulation was issued on the current stream (the stage's).
+            lane.wait_lane(current_lane(dev))
+        with lane.use():
+            if lane.is_cuda:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(lane.stream)
+            b.flat.div_(self.size)
+            wire = b.flat if self.reduce_dtype in (None, b.flat.dtype) else b.flat.to(self.reduce_dtype)
+            b.issued = time.perf_counter()
+            try:
+                b.work = dist.all_reduce(wire, group=self.group, async_op=True)
+            except RuntimeError as e:
+                raise DistributedError(self._failure("starting", e)) from e
+            b.wire = wire
+            if lane.is_cuda:
+                b.work.wait()  # device-side: the lane waits for the collective, the host does not
+                if wire is not b.flat:
+                    b.flat.copy_(wire)
+                lane.keep(wire)
+                end = torch.cuda.Event(enable_timing=True)
+                end.record(lane.stream)
+                b.events = (start, end)
+            else:
+                b.work.get_future().add_done_callback(lambda _f, d=b.done: d.append(time.perf_counter()))
+
+    def wait(self) -> None:
+        """Make the optimizer's stream (CPU: the host) wait for every bucket's all-reduce."""
+        for b in self.buckets:
+            if b.work is None:  # a stage whose backward never ran (a failed step)
+                self._launch(b)
+        self._wait_started = time.perf_counter()
+        self._wait_events = {}
+        for b in self.buckets:
+            lane = self.lanes[b.stage]
+            if lane.is_cuda:
+                cur = current_lane(b.flat.device)
+                if b.flat.device not in self._wait_events:
+                    ev = torch.cuda.Event(enable_timing=True)
+                    ev.record(cur.stream)
+                    self._wait_events[b.flat.device] = ev
+                cur.wait_lane(lane)
+                cur.keep(b.flat)
+                continue
+            try:
+                b.work.wait(self.timeout)
+            except RuntimeError as e:
+                raise DistributedError(self._failure("waiting for", e)) from e
+            if b.wire is not b.flat:
+                assert b.wire is not None
+                b.flat.copy_(b.wire)
+        self._wait_done = time.perf_counter()
+        self.step += 1
+
+    def stats(self) -> SyncStats:
+        """The last waited step's sync timing (on CUDA this synchronises its events)."""
+        cuda = [b for b in self.buckets if b.events is not None]
+        if cuda:
+            ref = next(iter(self._wait_events.values()), None)
+            spans = []
+            for b in cuda:
+                start, end = b.events  # type: ignore[misc]
+                end.synchronize()
+                base = ref if ref is not None and ref.device == start.device else start
+                spans.append((base.elapsed_time(start) * 1e-3, base.elapsed_time(end) * 1e-3))
+            total, before = _union_ms(spans, 0.0 if ref is not None else float("inf"))
+            # A span ending before the wait event has negative offsets: all hidden.
+            return SyncStats(len(self.buckets), total, before, total - before)
+        spans = [(b.issued, b.done[0] if b.done else self._wait_done) for b in self.buckets if b.work is not None]
+        total, before = _union_ms(spans, self._wait_started)
+        return SyncStats(len(self.buckets), total, before, (self._wait_done - self._wait_started) * 1e3)
+
+    def _failure(self, what: str, cause: BaseException) -> str:
+        return (
+            f"gradient all-reduce over the data-parallel group failed while {what} it at step {self.step} "
+            f"(this is rank {dist.get_rank()}; the group has {self.size} ranks): a peer rank died, hung "
+            f"past the {self.timeout.total_seconds():.0f} s timeout, or was not at the same step. "
+            f"Check the other ranks' logs, then restart from the last checkpoint. Cause: {cause}"
+        )
+
+    def remove(self) -> None:
+        """Drop the gradient hooks (the engine is being rebuilt)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

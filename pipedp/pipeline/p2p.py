@@ -1,0 +1,111 @@
+"""Activations and gradients between pipeline ranks, over torch.distributed point-to-point ops.
+
+Sends are ``isend`` (the sender goes on; the work is waited on at the end of
+the step), receives are ``irecv`` waited on right away: on NCCL that wait is
+device-side (the receiving stage's stream waits), on gloo the host waits, with
+the layout's timeout. A receiver must know what is coming: the first time an
+activation crosses a boundary for a given input signature, a small metadata
+message (shape, dtype, requires_grad) goes first; both sides key that cache on
+the same values, so they agree on when it is sent. Gradients need none: they
+have the shape of the activation the receiver sent.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, Hashable
+
+import torch
+import torch.distributed as dist
+
+from ..distributed import DistributedError
+
+__all__ = ["Transport"]
+
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8, torch.bool]
+_META_LEN = 12  # dtype, requires_grad, ndim, up to 9 dims
+
+
+class Transport:
+    """Point-to-point messages of one rank's pipeline stages."""
+
+    def __init__(self, group: Any, device: torch.device, timeout: datetime.timedelta, step: int = 0) -> None:
+        self.group = group
+        self.device = device
+        self.timeout = timeout
+        self.step = step
+        self._pending: list[tuple[Any, torch.Tensor, str, int]] = []
+        self._sent_meta: set[Hashable] = set()
+        self._meta: dict[Hashable, tuple[tuple[int, ...], torch.dtype, bool]] = {}
+
+    def _fail(self, what: str, peer: int, cause: BaseException) -> DistributedError:
+        return DistributedError(
+            f"pipeline transfer failed: {what} rank {peer} at step {self.step} (this is rank {dist.get_rank()}): "
+            f"that rank died, hung past the {self.timeout.total_seconds():.0f} s timeout, or runs a different "
+            f"schedule. Check its log, then restart from the last checkpoint. Cause: {cause}"
+        )
+
+    def _isend(self, t: torch.Tensor, peer: int, what: str) -> None:
+        t = t.contiguous()
+        try:
+            work = dist.isend(t, dst=peer, group=self.group)
+        except RuntimeError as e:
+            raise self._fail(f"sending {what} to", peer, e) from e
+        self._pending.append((work, t, what, peer))
+
+    def _recv(self, shape: tuple[int, ...], dtype: torch.dtype, peer: int, what: str) -> torch.Tensor:
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        try:
+            work = dist.irecv(buf, src=peer, group=self.group)
+            if buf.is_cuda:
+                work.wait()  # device-side on NCCL
+            else:
+                work.wait(self.timeout)
+        except RuntimeError as e:
+            raise self._fail(f"receiving {what} from", peer, e) from e
+        return buf
+
+    def send_activation(self, t: torch.Tensor, peer: int, key: Hashable) -> None:
+        """Send an activation; the first time for ``key`` its metadata goes first."""
+        if key not in self._sent_meta:
+            if t.dim() > _META_LEN - 3 or t.dtype not in _DTYPES:
+                raise ValueError(
+                    f"a stage boundary carries a {t.dim()}-dim {t.dtype} tensor; pipeline ranks can pass tensors of "
+                    f"up to {_META_LEN - 3} dims in {_DTYPES}: cut elsewhere (stages=[...])"
+                )
+            meta = [_DTYPES.index(t.dtype), int(t.requires_grad), t.dim(), *t.shape]
+            meta += [0] * (_META_LEN - len(meta))
+            self._isend(torch.tensor(meta, dtype=torch.int64, device=self.device), peer, "activation metadata")
+            self._sent_meta.add(key)
+        self._isend(t.detach(), peer, "an activation")
+
+    def recv_activation(self, peer: int, key: Hashable) -> torch.Tensor:
+        """Receive an activation (a leaf that requires grad if the sender's output did)."""
+        if key not in self._meta:
+            m = self._recv((_META_LEN,), torch.int64, peer, "activation metadata").tolist()
+            self._meta[key] = (tuple(m[3 : 3 + m[2]]), _DTYPES[m[0]], bool(m[1]))
+        shape, dtype, requires_grad = self._meta[key]
+        return self._recv(shape, dtype, peer, "an activation").requires_grad_(requires_grad)
+
+    def send_grad(self, g: torch.Tensor, peer: int) -> None:
+        self._isend(g, peer, "a gradient")
+
+    def recv_grad(self, like: torch.Tensor, peer: int) -> torch.Tensor:
+        return self._recv(tuple(like.shape), like.dtype, peer, "a gradient")
+
+    def flush(self) -> None:
+        """Wait for this step's sends (their buffers must live until they are out)."""
+        pending, self._pending = self._pending, []
+        for work, t, what, peer in pending:
+            try:
+                if t.is_cuda:
+                    work.wait()
+                else:
+                    work.wait(self.timeout)
+            except RuntimeError as e:
+                raise self._fail(f"sending {what} to", peer, e) from e
+        self.step += 1
+
+    def reset(self) -> None:
+        """Forget in-flight sends after a failed step (the step is being abandoned)."""
+        self._pending = []

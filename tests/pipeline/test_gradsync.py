@@ -1,0 +1,75 @@
+"""Bucketed, hook-launched gradient all-reduce (real gloo processes on loopback)."""
+
+import pytest
+import torch
+from torch import nn
+
+from pipedp.pipeline.gradsync import GradSync, _pack, _union_ms
+from tests import multiproc
+
+
+def test_buckets_go_last_layer_first_and_respect_the_cap():
+    params = [nn.Parameter(torch.zeros(n)) for n in (10, 10, 30, 5, 5)]
+    buckets = _pack(params, cap=80)  # 20 floats
+    assert [[p.numel() for p in b] for b in buckets] == [[5, 5], [30], [10, 10]]
+    assert [[p.numel() for p in b] for b in _pack(params, cap=80, first_cap=40)] == [[5, 5], [30], [10, 10]]
+    assert [[p.numel() for p in b] for b in _pack(params, cap=200, first_cap=40)] == [[5, 5], [30, 10, 10]]
+    half = nn.Parameter(torch.zeros(4, dtype=torch.float16))
+    assert len(_pack([params[0], half], cap=10**6)) == 2  # one dtype per bucket
+
+
+def test_union_of_spans_and_the_part_before_the_wait():
+    total, before = _union_ms([(0.0, 1e-3), (0.5e-3, 2e-3), (3e-3, 4e-3)], until=1.5e-3)
+    assert total == pytest.approx(3.0) and before == pytest.approx(1.5)
+
+
+def _sync_case(rank: int, world: int, reduce_dtype) -> dict:
+    torch.manual_seed(0)  # same model on both ranks
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    sync = GradSync([list(model.parameters())], torch.distributed.group.WORLD, bucket_bytes=64 * 64 * 4,
+                    reduce_dtype=reduce_dtype)
+    launched = []
+    real_launch = sync._launch
+    sync._launch = lambda b: (launched.append([tuple(p.shape) for p in b.params]), real_launch(b))
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(rank))
+    sync.attach()
+    views = all(p.grad.data_ptr() >= b.flat.data_ptr() for b in sync.buckets for p in b.params)
+    model(x[:8]).square().mean().backward()  # first microbatch: accumulate only
+    during_first = len(launched)
+    sync.arm(0)
+    model(x[8:]).square().mean().backward()  # last microbatch: buckets launch as they complete
+    during_last = len(launched)
+    sync.finish(0)
+    sync.wait()
+    return {
+        "grads": [p.grad.clone() for p in model.parameters()], "x": x, "views": views,
+        "launched": launched, "during": (during_first, during_last), "stats": sync.stats(),
+    }
+
+
+@pytest.mark.parametrize("reduce_dtype", [None, torch.bfloat16])
+def test_gradients_are_averaged_bucket_by_bucket_during_the_last_backward(reduce_dtype):
+    res = multiproc.run(_sync_case, 2, reduce_dtype)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    for r in res:
+        model(r["x"][:8]).square().mean().backward()
+        model(r["x"][8:]).square().mean().backward()
+    expected = [p.grad / 2 for p in model.parameters()]
+    tol = 1e-6 if reduce_dtype is None else 2e-2
+    for r in res:
+        assert r["views"]
+        assert r["during"] == (0, len(r["launched"]))  # all launched inside the last backward
+        assert r["launched"][0] == [(4,), (4, 64), (64,)]  # the last layer's bucket goes first
+        for g, e in zip(r["grads"], expected):
+            assert (g - e).abs().max().item() <= tol * max(1.0, e.abs().max().item())
+        st = r["stats"]
+        assert st.buckets == len(r["launched"]) and st.sync_ms > 0 and 0 <= st.hidden_fraction <= 1
+    assert all(torch.equal(a, b) for a, b in zip(res[0]["grads"], res[1]["grads"]))
+
+
+def test_bad_options_are_clear_errors():
+    with pytest.raises(ValueError, match="reduce_dtype"):
+        GradSync([], None, reduce_dtype=torch.int8)
+    with pytest.raises(ValueError, match="bucket size"):
+        GradSync([], None, bucket_bytes=0)
