@@ -122,7 +122,63 @@ def resnet50(num_classes: int = 10, **kw) -> ResNet:
     return ResNet(Bottleneck, [3, 4, 6, 3], num_classes, **kw)
 
 
-MODELS: dict[str, Callable[..., nn.Module]] = {"resnet18": resnet18, "resnet34": resnet34, "resnet50": resnet50}
+class InvertedResidual(nn.Module):
+    """MobileNetV2's block: 1x1 expand, 3x3 depthwise, 1x1 project (residual when shapes allow)."""
+
+    def __init__(self, cin: int, cout: int, stride: int, expand: int) -> None:
+        super().__init__()
+        hidden = cin * expand
+        layers: list[nn.Module] = []
+        if expand != 1:
+            layers += [nn.Conv2d(cin, hidden, 1, bias=False), nn.BatchNorm2d(hidden), nn.ReLU6(inplace=True)]
+        layers += [
+            nn.Conv2d(hidden, hidden, 3, stride, 1, groups=hidden, bias=False), nn.BatchNorm2d(hidden),
+            nn.ReLU6(inplace=True),
+            nn.Conv2d(hidden, cout, 1, bias=False), nn.BatchNorm2d(cout),
+        ]
+        self.conv = nn.Sequential(*layers)
+        self.use_res = stride == 1 and cin == cout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.conv(x) if self.use_res else self.conv(x)
+
+
+class MobileNetV2(nn.Module):
+    """MobileNetV2 (torchvision's layout). ``cifar=True``: stride-1 stem and first stage for 32x32 inputs."""
+
+    # (expansion, channels, blocks, stride)
+    SETTINGS = [(1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1), (6, 160, 3, 2), (6, 320, 1, 1)]
+
+    def __init__(self, num_classes: int = 10, width: float = 1.0, cifar: bool = True) -> None:
+        super().__init__()
+        cin = max(8, int(32 * width))
+        stem_stride = 1 if cifar else 2
+        layers: list[nn.Module] = [
+            nn.Sequential(nn.Conv2d(3, cin, 3, stem_stride, 1, bias=False), nn.BatchNorm2d(cin), nn.ReLU6(inplace=True))
+        ]
+        for k, (t, c, n, s) in enumerate(self.SETTINGS):
+            cout = max(8, int(c * width))
+            for i in range(n):
+                stride = s if i == 0 and not (cifar and k == 1) else 1
+                layers.append(InvertedResidual(cin, cout, stride, t))
+                cin = cout
+        last = max(1280, int(1280 * width)) if width > 1.0 else 1280
+        layers.append(nn.Sequential(nn.Conv2d(cin, last, 1, bias=False), nn.BatchNorm2d(last), nn.ReLU6(inplace=True)))
+        self.features = nn.Sequential(*layers)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.classifier = nn.Linear(last, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.flatten(self.pool(self.features(x)), 1))
+
+
+def mobilenet_v2(num_classes: int = 10, **kw) -> MobileNetV2:
+    return MobileNetV2(num_classes, **kw)
+
+
+MODELS: dict[str, Callable[..., nn.Module]] = {
+    "resnet18": resnet18, "resnet34": resnet34, "resnet50": resnet50, "mobilenet_v2": mobilenet_v2,
+}
 
 
 def get_model(name: str, **kw) -> nn.Module:

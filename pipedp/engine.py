@@ -23,6 +23,7 @@ from torch import nn
 from . import checkpoint
 from .device import parse_device
 from .distributed import DEFAULT_TIMEOUT_S, DistributedError, Layout, check_backend, missing_note, resolve_layout
+from .ops.swap import swap_depthwise
 from .partition.blocks import Block, Chain, blocks_of, check_chain, module_mode
 from .partition.profile import BlockProfile, estimate_blocks, preserved_state, profile_blocks
 from .pipeline import microbatch
@@ -149,6 +150,11 @@ class Engine:
             with :class:`pipedp.DistributedError` (a peer died or hung).
         distributed: False trains this process on its own even when a process
             group exists (default: data parallel whenever one is initialised).
+        kernels: ``"auto"`` runs depthwise convolutions with the tuned TVM kernels
+            exported by ``tune-kernels`` where one exists for the layer's shape
+            (torch elsewhere), ``"tvm"`` makes a missing kernel an error,
+            ``"torch"`` never uses them.
+        kernel_db: the ``tune-kernels --db`` folder (default: the per-user cache).
     """
 
     def __init__(
@@ -176,6 +182,8 @@ class Engine:
         reduce_dtype: torch.dtype | None = None,
         timeout: float = DEFAULT_TIMEOUT_S,
         distributed: bool = True,
+        kernels: str = "auto",
+        kernel_db: str | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -191,6 +199,7 @@ class Engine:
             raise ValueError(f"stages must be an int, 'auto' or a list of block counts, got {stages!r}")
         self._stages_spec = stages
         self.devices = resolve_devices(model, devices)
+        self.kernel_layers = swap_depthwise(model, kernels, kernel_db, self.devices[0])
         self.profile = bool(profile)
         self.progress = progress
         self.measure_steps = max(int(measure_steps), 0)

@@ -1,0 +1,125 @@
+"""Depthwise convolution and its two gradients as TVM tensor expressions (NCHW).
+
+A depthwise convolution has ``groups == in_channels`` and ``out_channels =
+multiplier * in_channels``: output channel ``o`` reads input channel
+``o // multiplier`` only. Stride, padding and dilation are per axis; kernels
+need not be square. The three operators:
+
+- forward:     y[n, o, i, j]  = sum_{r, s} x[n, o // M, i*sh + r*dh - ph, j*sw + s*dw - pw] * w[o, 0, r, s]
+- grad-input:  dx[n, c, i, j] = sum_{m, r, s} dy[n, c*M + m, (i + ph - r*dh) / sh, ...] * w[c*M + m, 0, r, s]
+               (only where the division is exact and in range: the strided
+               output is "dilated" with zeros, padded, and correlated with the
+               flipped kernel)
+- grad-weight: dw[o, 0, r, s] = sum_{n, i, j} dy[n, o, i, j] * x[n, o // M, i*sh + r*dh - ph, ...]
+
+Padding is its own stage (``pad`` / ``dy_pad``) so a schedule can inline it
+or compute it per plane; the reductions are named ``r``, ``s`` (and ``m``,
+``n``, ``i``, ``j``) so schedules can address them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tvm import te, tirx
+
+from .problem import OPS, DepthwiseConv
+
+__all__ = ["DepthwiseConv", "OPS", "compute"]
+
+
+def _zero(dtype: str) -> Any:
+    return tirx.const(0.0, dtype)
+
+
+def _padded_input(conv: DepthwiseConv, x: te.Tensor) -> te.Tensor:
+    (ph, pw), (h, w) = conv.padding, (conv.h, conv.w)
+    if ph == 0 and pw == 0:
+        return x
+    return te.compute(
+        (conv.n, conv.c, h + 2 * ph, w + 2 * pw),
+        lambda n, c, i, j: tirx.if_then_else(
+            tirx.all(i >= ph, i < h + ph, j >= pw, j < w + pw), x[n, c, i - ph, j - pw], _zero(conv.dtype)
+        ),
+        name="pad",
+    )
+
+
+def forward(conv: DepthwiseConv) -> list[te.Tensor]:
+    s = conv.shapes()
+    x = te.placeholder(s["x"], conv.dtype, name="x")
+    w = te.placeholder(s["w"], conv.dtype, name="w")
+    pad = _padded_input(conv, x)
+    (kh, kw), (sh, sw), (dh, dw), m = conv.kernel, conv.stride, conv.dilation, conv.multiplier
+    r = te.reduce_axis((0, kh), name="r")
+    q = te.reduce_axis((0, kw), name="s")
+    y = te.compute(
+        s["y"],
+        lambda n, o, i, j: te.sum(pad[n, o // m, i * sh + r * dh, j * sw + q * dw] * w[o, 0, r, q], axis=[r, q]),
+        name="y",
+    )
+    return [x, w, y]
+
+
+def grad_input(conv: DepthwiseConv) -> list[te.Tensor]:
+    s = conv.shapes()
+    dy = te.placeholder(s["y"], conv.dtype, name="dy")
+    w = te.placeholder(s["w"], conv.dtype, name="w")
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw), m = conv.kernel, conv.stride, conv.padding, conv.dilation, conv.multiplier
+    oh, ow = conv.out_hw
+    top, left = (kh - 1) * dh - ph, (kw - 1) * dw - pw  # may be negative: the bounds check covers it
+
+    def dy_at(n: Any, o: Any, u: Any, v: Any) -> Any:
+        a, b = u - top, v - left
+        inside = tirx.all(a >= 0, b >= 0, a % sh == 0, b % sw == 0, a // sh < oh, b // sw < ow)
+        return tirx.if_then_else(inside, dy[n, o, a // sh, b // sw], _zero(conv.dtype))
+
+    dy_pad = te.compute(
+        (conv.n, conv.out_channels, conv.h + (kh - 1) * dh, conv.w + (kw - 1) * dw), dy_at, name="dy_pad"
+    )
+    mm = te.reduce_axis((0, m), name="m")
+    r = te.reduce_axis((0, kh), name="r")
+    q = te.reduce_axis((0, kw), name="s")
+    dx = te.compute(
+        s["x"],
+        lambda n, c, i, j: te.sum(
+            dy_pad[n, c * m + mm, i + r * dh, j + q * dw] * w[c * m + mm, 0, kh - 1 - r, kw - 1 - q], axis=[mm, r, q]
+        ),
+        name="dx",
+    )
+    return [dy, w, dx]
+
+
+def grad_weight(conv: DepthwiseConv) -> list[te.Tensor]:
+    s = conv.shapes()
+    x = te.placeholder(s["x"], conv.dtype, name="x")
+    dy = te.placeholder(s["y"], conv.dtype, name="dy")
+    pad = _padded_input(conv, x)
+    (sh, sw), (dh, dw), m = conv.stride, conv.dilation, conv.multiplier
+    oh, ow = conv.out_hw
+    rn = te.reduce_axis((0, conv.n), name="n")
+    ri = te.reduce_axis((0, oh), name="i")
+    rj = te.reduce_axis((0, ow), name="j")
+    acc = "float32"
+    dw_ = te.compute(
+        s["w"],
+        lambda o, _, r, q: te.sum(
+            dy[rn, o, ri, rj].astype(acc) * pad[rn, o // m, ri * sh + r * dh, rj * sw + q * dw].astype(acc),
+            axis=[rn, ri, rj],
+        ),
+        name="dw",
+    )
+    if conv.dtype != acc:
+        dw_ = te.compute(s["w"], lambda *i: dw_(*i).astype(conv.dtype), name="dw_cast")
+    return [x, dy, dw_]
+
+
+def compute(conv: DepthwiseConv, op: str) -> list[te.Tensor]:
+    """Placeholders and output of operator ``op`` ("fwd", "dgrad" or "wgrad"), in call order."""
+    if op == "fwd":
+        return forward(conv)
+    if op == "dgrad":
+        return grad_input(conv)
+    if op == "wgrad":
+        return grad_weight(conv)
+    raise ValueError(f"unknown operator {op!r}: one of {OPS}")

@@ -1,0 +1,183 @@
+"""``pipedp.ops.depthwise_conv2d``: a torch custom op backed by tuned TVM kernels.
+
+Three ops (forward, grad-input, grad-weight) are registered with
+``torch.library``, each with a fake implementation so ``torch.compile`` can
+trace through them; autograd of the forward calls the two gradient ops. Each
+runs the tuned kernel for its exact problem when the loaded library has one
+and torch's own convolution otherwise, so results never depend on what was
+tuned, only speed does. Tensors go to the kernel directly (zero copy; on
+CUDA the kernel runs on torch's current stream); the kernels are NCHW, so
+other layouts are made contiguous first.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from kernels.tvm.problem import DepthwiseConv
+
+from .runtime import KernelLibrary, load_library
+
+__all__ = ["depthwise_conv2d", "use_library", "active_library", "problem_of"]
+
+log = logging.getLogger(__name__)
+_libraries: dict[str, KernelLibrary] = {}
+_lock = threading.Lock()
+
+
+def use_library(lib: KernelLibrary | None, device_type: str = "cpu") -> None:
+    """Route depthwise ops on ``device_type`` through ``lib`` (None: torch only)."""
+    with _lock:
+        if lib is None:
+            _libraries.pop(device_type, None)
+        else:
+            _libraries[device_type] = lib
+
+
+def active_library(device: torch.device) -> KernelLibrary | None:
+    return _libraries.get(device.type)
+
+
+def load(db: str, device: torch.device) -> KernelLibrary | None:
+    """Load (once) and activate the kernels exported in ``db`` for ``device``."""
+    lib = load_library(db, device)
+    if lib is not None:
+        use_library(lib, device.type)
+    return lib
+
+
+def problem_of(x_shape: Sequence[int], w_shape: Sequence[int], stride, padding, dilation, dtype: torch.dtype) -> DepthwiseConv:
+    n, c, h, w = (int(v) for v in x_shape)
+    return DepthwiseConv(
+        n, c, h, w, multiplier=int(w_shape[0]) // c, kernel=(int(w_shape[2]), int(w_shape[3])),
+        stride=tuple(stride), padding=tuple(padding), dilation=tuple(dilation),
+        dtype=str(dtype).replace("torch.", ""),
+    )
+
+
+def _kernel(op: str, device: torch.device, x_shape, w_shape, stride, padding, dilation, dtype: torch.dtype):
+    """The tuned kernel for this exact problem, or None (then torch computes it)."""
+    lib = _libraries.get(device.type)
+    if lib is None:
+        return None
+    try:
+        p = problem_of(x_shape, w_shape, stride, padding, dilation, dtype)
+    except ValueError:  # a dtype or kernel size the kernels do not cover
+        return None
+    k = lib.find(op, p)
+    if k is None:
+        log.debug("no tuned %s kernel for %s on %s: torch runs it", op, p, device)
+    return k
+
+
+def _out_shape(x_shape, w_shape, stride, padding, dilation) -> list[int]:
+    n, _, h, w = x_shape
+    kh, kw = w_shape[2], w_shape[3]
+    oh = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    ow = (w + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    return [n, w_shape[0], oh, ow]
+
+
+@torch.library.custom_op("pipedp::depthwise_fwd", mutates_args=())
+def _fwd(x: torch.Tensor, weight: torch.Tensor, stride: list[int], padding: list[int], dilation: list[int]) -> torch.Tensor:
+    k = _kernel("fwd", x.device, x.shape, weight.shape, stride, padding, dilation, x.dtype)
+    if k is None:
+        return F.conv2d(x, weight, None, stride, padding, dilation, x.shape[1])
+    y = x.new_empty(_out_shape(x.shape, weight.shape, stride, padding, dilation))
+    k(x.contiguous(), weight.contiguous(), y)
+    return y
+
+
+@_fwd.register_fake
+def _(x, weight, stride, padding, dilation):
+    return x.new_empty(_out_shape(x.shape, weight.shape, stride, padding, dilation))
+
+
+@torch.library.custom_op("pipedp::depthwise_dgrad", mutates_args=())
+def _dgrad(grad: torch.Tensor, weight: torch.Tensor, x_shape: list[int], stride: list[int], padding: list[int],
+           dilation: list[int]) -> torch.Tensor:
+    k = _kernel("dgrad", grad.device, x_shape, weight.shape, stride, padding, dilation, grad.dtype)
+    if k is None:
+        x = grad.new_empty(x_shape)
+        return torch.ops.aten.convolution_backward(
+            grad, x, weight, None, stride, padding, dilation, False, [0, 0], x_shape[1], [True, False, False]
+        )[0]
+    dx = grad.new_empty(x_shape)
+    k(grad.contiguous(), weight.contiguous(), dx)
+    return dx
+
+
+@_dgrad.register_fake
+def _(grad, weight, x_shape, stride, padding, dilation):
+    return grad.new_empty(x_shape)
+
+
+@torch.library.custom_op("pipedp::depthwise_wgrad", mutates_args=())
+def _wgrad(x: torch.Tensor, grad: torch.Tensor, w_shape: list[int], stride: list[int], padding: list[int],
+           dilation: list[int]) -> torch.Tensor:
+    k = _kernel("wgrad", x.device, x.shape, w_shape, stride, padding, dilation, x.dtype)
+    if k is None:
+        w = x.new_empty(w_shape)
+        return torch.ops.aten.convolution_backward(
+            grad, x, w, None, stride, padding, dilation, False, [0, 0], x.shape[1], [False, True, False]
+        )[1]
+    dw = x.new_empty(w_shape)
+    k(x.contiguous(), grad.contiguous(), dw)
+    return dw
+
+
+@_wgrad.register_fake
+def _(x, grad, w_shape, stride, padding, dilation):
+    return x.new_empty(w_shape)
+
+
+def _setup(ctx, inputs, output):
+    x, weight, stride, padding, dilation = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.args = (stride, padding, dilation)
+
+
+def _backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    stride, padding, dilation = ctx.args
+    dx = _dgrad(grad, weight, list(x.shape), stride, padding, dilation) if ctx.needs_input_grad[0] else None
+    dw = _wgrad(x, grad, list(weight.shape), stride, padding, dilation) if ctx.needs_input_grad[1] else None
+    return dx, dw, None, None, None
+
+
+_fwd.register_autograd(_backward, setup_context=_setup)
+
+
+def _pair(v: int | Sequence[int], name: str) -> list[int]:
+    t = [v, v] if isinstance(v, int) else list(v)
+    if len(t) != 2:
+        raise ValueError(f"{name} must be an int or a pair, got {v!r}")
+    return [int(a) for a in t]
+
+
+def depthwise_conv2d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    stride: int | Sequence[int] = 1,
+    padding: int | Sequence[int] = 0,
+    dilation: int | Sequence[int] = 1,
+) -> torch.Tensor:
+    """``F.conv2d(x, weight, bias, stride, padding, dilation, groups=x.shape[1])``, with tuned kernels.
+
+    ``weight`` has shape ``(multiplier * C, 1, kh, kw)``.
+    """
+    if x.dim() != 4 or weight.dim() != 4 or weight.shape[1] != 1 or weight.shape[0] % x.shape[1]:
+        raise ValueError(
+            f"depthwise_conv2d takes x (N, C, H, W) and weight (M*C, 1, kh, kw); got {tuple(x.shape)} and "
+            f"{tuple(weight.shape)}"
+        )
+    y = _fwd(x, weight, _pair(stride, "stride"), _pair(padding, "padding"), _pair(dilation, "dilation"))
+    if bias is not None:
+        y = y + bias.view(1, -1, 1, 1)
+    return y

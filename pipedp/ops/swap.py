@@ -1,0 +1,81 @@
+"""Swapping a model's depthwise ``nn.Conv2d`` layers onto the tuned-kernel op.
+
+A layer keeps its object, parameters and state_dict keys; only its class
+becomes :class:`TunedDepthwiseConv2d` (an ``nn.Conv2d`` whose forward calls
+``pipedp.ops.depthwise_conv2d``). ``kernels="auto"`` swaps every depthwise
+layer and lets each call fall back to torch where no kernel was tuned for its
+exact shape; ``"tvm"`` makes a missing kernel an error that names the
+command to run; ``"torch"`` swaps nothing.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from .depthwise import active_library, depthwise_conv2d, load, problem_of
+from .runtime import default_db
+
+__all__ = ["TunedDepthwiseConv2d", "is_depthwise", "swap_depthwise", "KERNEL_MODES"]
+
+KERNEL_MODES = ("auto", "torch", "tvm")
+
+
+def is_depthwise(m: nn.Module) -> bool:
+    return (
+        type(m) is nn.Conv2d
+        and m.groups == m.in_channels > 1
+        and m.out_channels % m.in_channels == 0
+        and m.padding_mode == "zeros"
+        and not isinstance(m.padding, str)
+    )
+
+
+class TunedDepthwiseConv2d(nn.Conv2d):
+    """A depthwise ``nn.Conv2d`` computed by tuned TVM kernels where they exist."""
+
+    _strict = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._strict:
+            self._require(x)
+        return depthwise_conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation)
+
+    def _require(self, x: torch.Tensor) -> None:
+        lib = active_library(x.device)
+        p = problem_of(x.shape, self.weight.shape, self.stride, self.padding, self.dilation, x.dtype)
+        missing = [op for op in ("fwd", "dgrad", "wgrad") if lib is None or lib.find(op, p) is None]
+        if missing:
+            raise RuntimeError(
+                f"kernels='tvm': no tuned {'/'.join(missing)} kernel on {x.device} for a depthwise layer "
+                f"(kernel {tuple(self.kernel_size)}, stride {tuple(self.stride)}) whose input is {tuple(x.shape)}. "
+                f"Run `tune-kernels --model <your model> --input-shape {x.shape[0]},C,H,W --target {x.device.type}` "
+                f"with your model's input shape at this batch size (pipedp feeds microbatches: N={x.shape[0]}), "
+                f"or wrap with kernels='auto' to use torch where no kernel was tuned"
+            )
+
+
+def swap_depthwise(model: nn.Module, mode: str, db: str | None, device: torch.device) -> int:
+    """Swap the depthwise layers of ``model`` per ``mode``; returns how many were swapped."""
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {mode!r}")
+    if mode == "torch":
+        return 0
+    layers = [m for m in model.modules() if is_depthwise(m)]
+    if not layers:
+        return 0
+    db = db or default_db()
+    lib = load(db, device) if os.path.isdir(db) else None
+    if lib is None:
+        if mode == "tvm":
+            raise RuntimeError(
+                f"kernels='tvm' but {db} holds no exported kernels for {device}: run `tune-kernels --model ... "
+                f"--input-shape N,C,H,W --target {device.type} --db {db}` first, or wrap with kernels='auto'"
+            )
+        return 0
+    for m in layers:
+        m.__class__ = TunedDepthwiseConv2d
+        m._strict = mode == "tvm"
+    return len(layers)

@@ -1,0 +1,109 @@
+"""tune-kernels end to end on a model file, then training with kernels="tvm" in a fresh process."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("tvm")
+pytest.importorskip("xgboost")
+
+from kernels.tvm import cli  # noqa: E402
+from kernels.tvm import records as R  # noqa: E402
+
+MODEL = textwrap.dedent("""
+    from torch import nn
+    def build():
+        return nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.ReLU(),
+            nn.Conv2d(8, 16, 5, stride=2, padding=2, groups=8), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+""")
+
+TRAIN = textwrap.dedent("""
+    import copy, sys, torch
+    from torch import nn
+    sys.path.insert(0, sys.argv[1])
+    import net, pipedp
+    torch.manual_seed(0)
+    model = net.build(); ref = copy.deepcopy(model)
+    engine = pipedp.wrap(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=nn.CrossEntropyLoss(),
+                         microbatches=2, stages=2, kernels="tvm", kernel_db=sys.argv[2], profile=False, progress=False)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
+        engine.train_step(x, y)
+        opt.zero_grad()
+        for xs, ys in zip(x.split(4), y.split(4)):
+            (nn.CrossEntropyLoss()(ref(xs), ys) * 0.5).backward()
+        opt.step()
+    diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+    print("layers", engine.kernel_layers, "diff", diff, "compiler", "tvm" in sys.modules)
+""")
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tune")
+    (root / "net.py").write_text(MODEL)
+    db = root / "db"
+    # pipedp feeds microbatches of 4: tune at that batch size.
+    code = cli.main(["--model", f"{root / 'net.py'}:build", "--input-shape", "4,3,16,16", "--trials", "4",
+                     "--batch", "2", "--db", str(db), "--no-progress"])
+    assert code == 0
+    return root, db
+
+
+def _train(root, db):
+    done = subprocess.run([sys.executable, "-c", TRAIN, str(root), str(db)], capture_output=True, text=True,
+                          timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    return done
+
+
+def test_cli_tunes_every_depthwise_kernel_and_exports(tuned, capsys):
+    _, db = tuned
+    recs = R.read(db / R.RECORDS_FILE)
+    export = R.latest_export(recs, recs[-1]["target"])
+    assert export is not None and len(export["kernels"]) == 6  # 2 problems x fwd, dgrad, wgrad
+    measured = [r for r in recs if r["kind"] == "measure"]
+    assert all(r["us"] > 0 and set(r["torch_us"]) == {"nchw", "nhwc"} and "tvm" in r["versions"] for r in measured)
+
+
+def test_training_with_tuned_kernels_matches_torch_without_the_compiler(tuned):
+    root, db = tuned
+    done = _train(root, db)
+    assert done.returncode == 0, done.stderr[-3000:]
+    words = done.stdout.split()
+    assert words[1] == "2" and float(words[3]) <= 1e-5 and words[5] == "False", done.stdout
+
+
+def test_a_tampered_library_is_refused(tuned, tmp_path):
+    root, db = tuned
+    bad = tmp_path / "db"
+    bad.mkdir()
+    for f in os.listdir(db):
+        (bad / f).write_bytes((db / f).read_bytes())
+    lib = next(f for f in os.listdir(bad) if f.endswith(".so"))
+    with open(bad / lib, "ab") as f:
+        f.write(b"\0")
+    with open(bad / R.RECORDS_FILE, "a") as f:
+        f.write("{corrupt\n")  # and a corrupt record: a warning, not a crash
+    done = _train(root, bad)
+    assert done.returncode != 0
+    assert "refusing to load" in done.stderr and "run tune-kernels again" in done.stderr
+    assert "skipping a corrupt tuning record" in done.stderr
+
+
+def test_find_depthwise_dedupes_and_bad_arguments():
+    from experiments.models import mobilenet_v2
+
+    probs = cli.find_depthwise(mobilenet_v2(), (2, 3, 32, 32))
+    assert len(probs) == len(set(probs)) and all(p.kernel == (3, 3) for p in probs)
+    with pytest.raises(SystemExit, match="N,C,H,W"):
+        cli.main(["--model", "mobilenet_v2", "--input-shape", "2,3,32"])
+    with pytest.raises(SystemExit, match="not a zoo model"):
+        cli.main(["--model", "nope", "--input-shape", "2,3,32,32"])

@@ -1,0 +1,58 @@
+"""Knob spaces and the templates' constraints, checked before anything compiles."""
+
+import random
+
+import pytest
+
+pytest.importorskip("tvm")
+
+from kernels.tvm import cpu, cuda  # noqa: E402
+from kernels.tvm.ops import DepthwiseConv  # noqa: E402
+from kernels.tvm.space import InvalidConfig, Knob, Space, divisors  # noqa: E402
+
+SPACE = Space("t", (Knob("a", (1, 2, 4)), Knob("b", ("x", "y"))))
+
+
+def test_space_size_enumeration_and_features():
+    assert len(SPACE) == 6 and len(list(SPACE.all())) == 6
+    assert SPACE.features({"a": 4, "b": "y"}) == [4.0, 1.0]
+    assert divisors(12, 6) == (1, 2, 3, 4, 6)
+
+
+def test_neighbours_stay_in_the_space_and_move():
+    rng = random.Random(0)
+    for _ in range(50):
+        c = SPACE.sample(rng)
+        n = SPACE.neighbours(c, rng)
+        SPACE.check(n)
+        assert n != c
+
+
+@pytest.mark.parametrize("cfg, match", [
+    ({"a": 3, "b": "x"}, "not one of"), ({"a": 1}, "missing"), ({"a": 1, "b": "x", "c": 0}, "unknown knob"),
+])
+def test_check_names_the_bad_knob(cfg, match):
+    with pytest.raises(InvalidConfig, match=match):
+        SPACE.check(cfg)
+
+
+def test_cuda_constraints_reject_before_compiling():
+    conv = DepthwiseConv(8, 32, 56, 56, padding=1)
+    ok = {"tile_c": 1, "vt_h": 1, "vt_w": 2, "th": 4, "tw": 8, "ih": 2, "iw": 1, "unroll": 16}
+    cuda.validate(conv, "fwd", ok)
+    with pytest.raises(InvalidConfig, match="threads per block"):
+        cuda.validate(conv, "fwd", {**ok, "tile_c": 1, "th": 1, "tw": 4})  # 4 threads: under a warp
+    with pytest.raises(InvalidConfig, match="shared memory"):
+        cuda.validate(DepthwiseConv(1, 8, 512, 512, kernel=7, padding=3), "fwd",
+                      {**ok, "tile_c": 4, "th": 16, "tw": 16, "ih": 4, "vt_h": 2, "vt_w": 4, "iw": 2})
+    with pytest.raises(InvalidConfig, match="twice"):
+        cuda.validate(DepthwiseConv(8, 32, 4, 4, padding=1), "fwd", ok)
+    assert len(cuda.features(conv, "fwd", ok)) == 5 and len(cpu.features(conv, "wgrad", {"lanes": 8})) == 3
+
+
+def test_cpu_space_uses_tiles_that_divide_the_output():
+    conv = DepthwiseConv(2, 8, 28, 28, padding=1, stride=2)
+    sp = cpu.space(conv, "fwd")
+    tiles = dict((k.name, k.choices) for k in sp.knobs)
+    assert all(14 % t == 0 for t in tiles["tile_h"]) and all(14 % t == 0 for t in tiles["tile_w"])
+    assert cpu.space(DepthwiseConv(2, 8, 28, 28), "fwd").knobs[2].choices == ("none",)  # no padding stage

@@ -1,0 +1,55 @@
+"""The custom op without tuned kernels: exactly torch's convolution, with autograd and torch.compile."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipedp.ops import depthwise_conv2d
+
+
+@pytest.mark.parametrize("mult, stride, padding, dilation", [(1, 1, 1, 1), (2, 2, 0, 1), (1, (1, 2), (2, 1), 2)])
+def test_matches_conv2d_with_gradients(mult, stride, padding, dilation):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 11, 9, generator=g, requires_grad=True)
+    w = torch.randn(3 * mult, 1, 3, 3, generator=g, requires_grad=True)
+    b = torch.randn(3 * mult, generator=g, requires_grad=True)
+    y = depthwise_conv2d(x, w, b, stride, padding, dilation)
+    ref_in = [t.detach().clone().requires_grad_() for t in (x, w, b)]
+    ref = F.conv2d(*ref_in, stride=stride, padding=padding, dilation=dilation, groups=3)
+    assert torch.allclose(y, ref, atol=1e-6)  # bias added after the conv: rounding differs
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    ref.backward(dy)
+    for a, r in zip((x, w, b), ref_in):
+        assert torch.allclose(a.grad, r.grad, atol=1e-6)
+
+
+def test_gradcheck_in_float64():
+    x = torch.randn(1, 2, 6, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 1, 3, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, c: depthwise_conv2d(a, c, None, 2, 1, 1), (x, w))
+
+
+def test_torch_compile_traces_through_the_op():
+    x, w = torch.randn(2, 4, 8, 8), torch.randn(4, 1, 3, 3, requires_grad=True)
+    f = torch.compile(lambda a, c: depthwise_conv2d(a, c, None, 1, 1, 1).relu().sum(), backend="eager", fullgraph=True)
+    try:
+        out = f(x, w)
+        out.backward()
+        assert torch.allclose(out, F.conv2d(x, w, padding=1, groups=4).relu().sum()) and w.grad is not None
+    finally:
+        del f
+        torch._dynamo.reset()  # compiled frames keep example tensors (with their graphs) alive
+
+
+def test_fake_tensors_get_the_output_shape():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        y = depthwise_conv2d(torch.empty(2, 4, 9, 9), torch.empty(8, 1, 5, 5), None, 2, 2, 1)
+    assert tuple(y.shape) == (2, 8, 5, 5)
+
+
+def test_bad_shapes_are_clear_errors():
+    with pytest.raises(ValueError, match=r"weight \(M\*C, 1, kh, kw\)"):
+        depthwise_conv2d(torch.randn(1, 4, 8, 8), torch.randn(6, 1, 3, 3))
