@@ -38,6 +38,7 @@ from torch import nn
 import pipedp
 from experiments.machine import describe, sync
 from experiments.models import get_model
+from experiments.report import write_json
 
 CONFIGS = ("ddp", "pipedp", "nosync")
 
@@ -141,8 +142,7 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_p
             if rank == 0:
                 print(_row(results[-1]), flush=True)
         if rank == 0:
-            with open(out_path, "w") as f:
-                json.dump(results, f)
+            write_json(out_path, results)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -192,9 +192,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     print(f"machine: {report['machine']}")
     if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+        write_json(args.out, report, indent=2)
     return report
 
 

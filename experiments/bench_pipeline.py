@@ -19,7 +19,6 @@ import copy
 import gc
 import json
 import multiprocessing as mp
-import os
 import resource
 import statistics
 import sys
@@ -33,9 +32,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import pipedp
-from pipedp.pipeline.graphed import fresh_cublas_workspaces
 from experiments.machine import describe, sync
 from experiments.models import get_model
+from experiments.report import write_json
+from pipedp.pipeline.graphed import fresh_cublas_workspaces
 
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -373,17 +373,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"benchmarking {name} (batch {args.batch}) on {device}", file=sys.stderr, flush=True)
         results[name] = bench_model(name, configs, args, device)
         if args.out:  # after every model, so a cut-off run keeps what it measured
-            _write_json(args.out, out)
+            write_json(args.out, out)
     print_table(results, machine)
     return out
-
-
-def _write_json(path: str, data: dict) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

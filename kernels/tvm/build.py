@@ -13,25 +13,40 @@ import torch.nn.functional as F
 import tvm
 from tvm import s_tir, te
 
-from . import cpu, cuda
+from . import cpu, cpu_nhwc, cuda
 from .offline_cuda import ensure_cuda_codegen
+from .layout import LAYOUTS, arrange, empty
 from .ops import DepthwiseConv, compute
 from .space import Config, Space
 
 __all__ = [
     "Target", "make_target", "target_key", "template", "space", "schedule", "compile_module", "build",
-    "reference", "check", "measure_us", "torch_us",
+    "reference", "check", "measure_us", "torch_us", "layout_of", "layouts_for", "call",
 ]
 
 Target = tvm.target.Target
 
 
-def template(target: Target) -> Any:
-    return cuda if target.kind.name == "cuda" else cpu
+def layouts_for(target: Target) -> tuple[str, ...]:
+    """Activation layouts a target has templates for (CUDA: NCHW, torch's native depthwise layout there)."""
+    return ("NCHW",) if target.kind.name == "cuda" else LAYOUTS
 
 
-def space(conv: DepthwiseConv, op: str, target: Target) -> Space:
-    return template(target).space(conv, op)
+def template(target: Target, layout: str = "NCHW") -> Any:
+    if layout not in layouts_for(target):
+        raise ValueError(f"layout {layout!r} has no {target.kind.name} template: use one of {layouts_for(target)}")
+    if target.kind.name == "cuda":
+        return cuda
+    return cpu_nhwc if layout == "NHWC" else cpu
+
+
+def layout_of(config: Config) -> str:
+    """A config names its layout (configs without one are NCHW)."""
+    return str(config.get("layout", "NCHW"))
+
+
+def space(conv: DepthwiseConv, op: str, target: Target, layout: str = "NCHW") -> Space:
+    return template(target, layout).space(conv, op)
 
 
 def make_target(kind: str, arch: str | None = None) -> Target:
@@ -55,12 +70,14 @@ def target_key(target: Target) -> str:
 
 def schedule(conv: DepthwiseConv, op: str, config: Config, target: Target, symbol: str | None = None) -> s_tir.Schedule:
     """The scheduled prim func (raises InvalidConfig before any compile work)."""
-    template(target).validate(conv, op, config)
+    layout = layout_of(config)
+    tmpl = template(target, layout)
+    tmpl.validate(conv, op, config)
     symbol = symbol or default_symbol(op)
-    func = te.create_prim_func(compute(conv, op)).with_attr("global_symbol", symbol)
+    func = te.create_prim_func(compute(conv, op, layout)).with_attr("global_symbol", symbol)
     sch = s_tir.Schedule(tvm.IRModule({symbol: func}))
     sch.work_on(symbol)
-    return template(target).apply(sch, conv, op, config)
+    return tmpl.apply(sch, conv, op, config)
 
 
 def default_symbol(op: str) -> str:
@@ -109,11 +126,31 @@ def _tolerance(conv: DepthwiseConv, op: str) -> float:
     return eps * max(8.0, terms ** 0.5 * 4)
 
 
-def check(kernel: Any, conv: DepthwiseConv, op: str, device: torch.device) -> float:
-    """Max abs error of ``kernel`` vs torch on random data; raises if over tolerance."""
+_ACTIVATIONS = {"fwd": (True, False, True), "dgrad": (True, False, True), "wgrad": (True, True, False)}
+
+
+def _arrange(t: torch.Tensor, layout: str, activation: bool) -> torch.Tensor:
+    return arrange(t, layout if activation else "NCHW")
+
+
+def call(kernel: Any, op: str, layout: str, inputs: list[torch.Tensor], out_shape: tuple[int, ...]) -> torch.Tensor:
+    """Run ``kernel`` on NCHW-shaped ``inputs`` as the runtime op does (a fresh output each call)."""
+    out_act = _ACTIVATIONS[op][2]
+    out = empty(out_shape, inputs[0], layout if out_act else "NCHW")
+    kernel(inputs[0], inputs[1], _arrange(out, layout, out_act))
+    return out
+
+
+def _prepare(conv: DepthwiseConv, op: str, layout: str, device: torch.device) -> tuple[list[torch.Tensor], torch.Tensor]:
     inputs, ref = reference(conv, op, device)
-    out = torch.empty_like(ref)
-    kernel(*inputs, out)
+    a, b, _ = _ACTIVATIONS[op]
+    return [_arrange(inputs[0], layout, a), _arrange(inputs[1], layout, b)], ref
+
+
+def check(kernel: Any, conv: DepthwiseConv, op: str, device: torch.device, layout: str = "NCHW") -> float:
+    """Max abs error of ``kernel`` vs torch on random data; raises if over tolerance."""
+    inputs, ref = _prepare(conv, op, layout, device)
+    out = call(kernel, op, layout, inputs, tuple(ref.shape))
     err = (out.float() - ref.float()).abs().max().item()
     scale = max(1.0, ref.float().abs().max().item())
     if not err <= _tolerance(conv, op) * scale:
@@ -145,17 +182,17 @@ def _time_us(fn: Callable[[], Any], device: torch.device, repeat: int, min_ms: f
     return runs[len(runs) // 2]
 
 
-def measure_us(kernel: Any, conv: DepthwiseConv, op: str, device: torch.device, repeat: int = 5, min_ms: float = 20) -> float:
-    """Median µs of one call of ``kernel`` on ``device``."""
-    inputs, ref = reference(conv, op, device)
-    out = torch.empty_like(ref)
-    return _time_us(lambda: kernel(*inputs, out), device, repeat, min_ms)
+def measure_us(kernel: Any, conv: DepthwiseConv, op: str, device: torch.device, repeat: int = 5, min_ms: float = 20,
+               layout: str = "NCHW") -> float:
+    """Median µs of one call of ``kernel`` on ``device``, allocating its output like torch's op does."""
+    inputs, ref = _prepare(conv, op, layout, device)
+    shape = tuple(ref.shape)
+    return _time_us(lambda: call(kernel, op, layout, inputs, shape), device, repeat, min_ms)
 
 
 def torch_us(conv: DepthwiseConv, op: str, device: torch.device, channels_last: bool, repeat: int = 5, min_ms: float = 20) -> float:
     """Median µs of torch's own kernel for ``op`` in one memory layout."""
     fmt = torch.channels_last if channels_last else torch.contiguous_format
-    inputs, ref = reference(conv, op, device)
     s = conv.shapes()
     dt = _dtype(conv)
     g = torch.Generator().manual_seed(1)
@@ -166,6 +203,6 @@ def torch_us(conv: DepthwiseConv, op: str, device: torch.device, channels_last: 
     if op == "fwd":
         fn = lambda: F.conv2d(x, w, None, conv.stride, conv.padding, conv.dilation, conv.c)  # noqa: E731
     else:
-        mask = [op == "dgrad", False, op == "wgrad"]
+        mask = [op == "dgrad", op == "wgrad", False]  # grad input, weight, bias
         fn = lambda: torch.ops.aten.convolution_backward(dy, x, w, None, *args, mask)  # noqa: E731
     return _time_us(fn, device, repeat, min_ms)

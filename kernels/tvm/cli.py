@@ -3,6 +3,11 @@
     tune-kernels --model mobilenet_v2 --input-shape 32,3,32,32 --target cpu --trials 64
     tune-kernels --model path/to/net.py:build --input-shape 8,3,224,224 --target cuda --ops fwd,dgrad
 
+On CPU both activation layouts are tuned by default (torch's own depthwise
+convolution is far faster channels_last there, and so are ours): train with
+``model.to(memory_format=torch.channels_last)`` and inputs in that format to
+run the NHWC kernels.
+
 Use the shape each layer will see: with pipedp.wrap(microbatches=M) that is
 the microbatch (batch / M). Every measurement is appended to the records as
 it is made, so Ctrl-C keeps what was measured and still exports it.
@@ -112,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8, help="candidates per tuning round")
     p.add_argument("--db", default=None, help="records and libraries (default: the per-user cache)")
     p.add_argument("--ops", default="fwd,dgrad,wgrad")
+    p.add_argument("--layouts", default="auto",
+                   help="activation layouts to tune, nchw,nhwc (auto: every layout the target has a template for; "
+                        "a channels_last model runs the nhwc kernels)")
     p.add_argument("--num-classes", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
@@ -139,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         arch, device = None, torch.device("cpu")
     target = B.make_target(args.target, arch)
+    layouts = _layouts(args.layouts, target)
     key = B.target_key(target)
     db = args.db or default_db()
     os.makedirs(db, exist_ok=True)
@@ -148,10 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     if not problems:
         print(f"{args.model} has no depthwise convolution: nothing to tune")
         return 0
-    print(f"{len(problems)} distinct depthwise convolution(s) x {len(ops)} op(s) on {key}; records in {records_path}")
+    print(f"{len(problems)} distinct depthwise convolution(s) x {len(ops)} op(s) x {'/'.join(layouts)} on {key}; "
+          f"records in {records_path}")
     from tqdm import tqdm
 
-    bar = tqdm(total=len(problems) * len(ops) * args.trials, disable=args.no_progress, unit="trial")
+    bar = tqdm(total=len(problems) * len(ops) * len(layouts) * args.trials, disable=args.no_progress, unit="trial")
     torch_us: dict[tuple[DepthwiseConv, str], dict[str, float]] = {}
     results: list[TuneResult] = []
     versions = E.versions()
@@ -170,18 +180,20 @@ def main(argv: list[str] | None = None) -> int:
                     bar.update(1)
                     if math.isfinite(m.us):
                         R.append(records_path, {
-                            "kind": "measure", "op": op, "problem": prob.key(), "layout": "NCHW", "target": key,
+                            "kind": "measure", "op": op, "problem": prob.key(), "layout": B.layout_of(m.config),
+                            "target": key,
                             "config": m.config, "us": m.us, "torch_us": base, "versions": versions,
                             "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
                         })
                     best = r.best
-                    bar.set_postfix_str(f"{op} {prob.c}x{prob.h}x{prob.w}/s{prob.stride[0]}: "
+                    bar.set_postfix_str(f"{op} {r.layout} {prob.c}x{prob.h}x{prob.w}/s{prob.stride[0]}: "
                                         f"{best.us if best else float('nan'):.1f} us")
 
-                before = bar.n
-                results.append(tune(prob, op, target, device, trials=args.trials, batch=args.batch,
-                                    seed=args.seed, on_measure=on_measure))
-                bar.update(args.trials - (bar.n - before))  # an early stop skips the rest
+                for layout in layouts:
+                    before = bar.n
+                    results.append(tune(prob, op, target, device, trials=args.trials, batch=args.batch,
+                                        seed=args.seed, on_measure=on_measure, layout=layout))
+                    bar.update(args.trials - (bar.n - before))  # an early stop skips the rest
     except KeyboardInterrupt:
         interrupted = True
         print("\ninterrupted: exporting what was measured", file=sys.stderr)
@@ -196,22 +208,37 @@ def main(argv: list[str] | None = None) -> int:
     return 130 if interrupted else 0
 
 
+def _layouts(spec: str, target: B.Target) -> list[str]:
+    have = B.layouts_for(target)
+    if spec == "auto":
+        return list(have)
+    want = [v.strip().upper() for v in spec.split(",") if v.strip()]
+    bad = [v for v in want if v not in have]
+    if bad or not want:
+        raise SystemExit(f"--layouts {spec!r}: {target.kind.name} kernels come in {','.join(v.lower() for v in have)}")
+    return want
+
+
 def _print_table(results: list[TuneResult], torch_us: dict, gbs: float, key: str) -> None:
-    head = ["problem (N,C,H,W k/s/p x mult)", "op", "best us", "torch NCHW", "torch NHWC", "speedup", "bw bound us"]
-    rows = []
+    """One row per (problem, op): our best per layout, torch per layout, and best-vs-best speedup."""
+    head = ["problem (N,C,H,W k/s/p x mult)", "op", "ours NCHW", "ours NHWC", "torch NCHW", "torch NHWC", "speedup",
+            "bw bound us"]
+    ours: dict[tuple[DepthwiseConv, str], dict[str, float]] = {}
     for r in results:
-        b = r.best
-        base = torch_us[(r.problem, r.op)]
-        p = r.problem
-        bound = p.min_bytes(r.op) / (gbs * 1e9) * 1e6
-        best = b.us if b else math.nan
+        ours.setdefault((r.problem, r.op), {})[r.layout] = r.best.us if r.best else math.nan
+    rows = []
+    for (p, op), mine in ours.items():
+        base = torch_us[(p, op)]
+        bound = p.min_bytes(op) / (gbs * 1e9) * 1e6
+        best = min((v for v in mine.values() if math.isfinite(v)), default=math.nan)
         rows.append([
             f"{p.n},{p.c},{p.h},{p.w} {p.kernel[0]}x{p.kernel[1]}/s{p.stride[0]}/p{p.padding[0]} x{p.multiplier}",
-            r.op, f"{best:.1f}", f"{base['nchw']:.1f}", f"{base['nhwc']:.1f}",
-            f"{min(base.values()) / best:.2f}x" if b else "-", f"{bound:.1f}",
+            op, *(f"{mine[v]:.1f}" if v in mine else "-" for v in ("NCHW", "NHWC")),
+            f"{base['nchw']:.1f}", f"{base['nhwc']:.1f}",
+            f"{min(base.values()) / best:.2f}x" if math.isfinite(best) else "-", f"{bound:.1f}",
         ])
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-    print(f"\n{key}, copy bandwidth {gbs:.1f} GB/s")
+    print(f"\n{key}, copy bandwidth {gbs:.1f} GB/s; µs per call; speedup = torch's best layout / our best layout")
     print(_row(head, widths))
     for row in rows:
         print(_row(row, widths))

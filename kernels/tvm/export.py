@@ -44,7 +44,7 @@ def export(db: str, target: Target) -> dict[str, Any] | None:
         return None
     mod = tvm.IRModule()
     symbols: dict[str, str] = {}
-    for r in sorted(chosen, key=lambda r: rec.problem_key(r["op"], r["problem"], key)):
+    for r in sorted(chosen, key=lambda r: rec.problem_key(r["op"], r["problem"], key, r.get("layout", "NCHW"))):
         pk = rec.problem_key(r["op"], r["problem"], key, r.get("layout", "NCHW"))
         sym = "pipedp_dw_" + hashlib.sha1(pk.encode()).hexdigest()[:16]
         conv = DepthwiseConv.from_key(r["problem"])

@@ -23,9 +23,10 @@ from typing import Any
 
 from tvm import te, tirx
 
+from .layout import LAYOUTS
 from .problem import OPS, DepthwiseConv
 
-__all__ = ["DepthwiseConv", "OPS", "compute"]
+__all__ = ["DepthwiseConv", "OPS", "LAYOUTS", "compute"]
 
 
 def _zero(dtype: str) -> Any:
@@ -114,12 +115,17 @@ def grad_weight(conv: DepthwiseConv) -> list[te.Tensor]:
     return [x, dy, dw_]
 
 
-def compute(conv: DepthwiseConv, op: str) -> list[te.Tensor]:
-    """Placeholders and output of operator ``op`` ("fwd", "dgrad" or "wgrad"), in call order."""
-    if op == "fwd":
-        return forward(conv)
-    if op == "dgrad":
-        return grad_input(conv)
-    if op == "wgrad":
-        return grad_weight(conv)
-    raise ValueError(f"unknown operator {op!r}: one of {OPS}")
+def compute(conv: DepthwiseConv, op: str, layout: str = "NCHW") -> list[te.Tensor]:
+    """Placeholders and output of operator ``op`` ("fwd", "dgrad" or "wgrad"), in call order.
+
+    ``layout`` is the activations' layout; weights are always torch's (o, 1, kh, kw).
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r}: one of {LAYOUTS}")
+    if op not in OPS:
+        raise ValueError(f"unknown operator {op!r}: one of {OPS}")
+    if layout == "NHWC":
+        from . import ops_nhwc
+
+        return {"fwd": ops_nhwc.forward, "dgrad": ops_nhwc.grad_input, "wgrad": ops_nhwc.grad_weight}[op](conv)
+    return {"fwd": forward, "dgrad": grad_input, "wgrad": grad_weight}[op](conv)

@@ -43,6 +43,7 @@ class TuneResult:
     op: str
     problem: DepthwiseConv
     target: str
+    layout: str = "NCHW"
     measurements: list[Measurement] = field(default_factory=list)
 
     @property
@@ -65,7 +66,7 @@ def _key(cfg: Config) -> str:
 
 def _valid(conv: DepthwiseConv, op: str, target: B.Target, cfg: Config) -> bool:
     try:
-        B.template(target).validate(conv, op, cfg)
+        B.template(target, B.layout_of(cfg)).validate(conv, op, cfg)
         return True
     except InvalidConfig:
         return False
@@ -142,14 +143,18 @@ def tune(
     seed: int = 0,
     on_measure: Callable[[Measurement, TuneResult], None] | None = None,
     min_ms: float = 20.0,
+    layout: str = "NCHW",
 ) -> TuneResult:
-    """Search the template's space for ``op`` on ``conv``; every measurement goes to ``on_measure``."""
+    """Search the template's space for ``op`` on ``conv`` with ``layout`` activations.
+
+    Every measurement goes to ``on_measure``.
+    """
     if trials < 1:
         raise ValueError(f"trials must be >= 1, got {trials}")
-    space = B.space(conv, op, target)
-    tmpl = B.template(target)
+    space = B.space(conv, op, target, layout)
+    tmpl = B.template(target, layout)
     rng = random.Random(seed)
-    result = TuneResult(op, conv, B.target_key(target))
+    result = TuneResult(op, conv, B.target_key(target), layout)
     seen: set[str] = set()
     x: list[list[float]] = []
     y: list[float] = []
@@ -196,8 +201,8 @@ def _measure(conv: DepthwiseConv, op: str, cfg: Config, target: B.Target, device
              min_ms: float) -> Measurement:
     try:
         kernel = B.build(conv, op, cfg, target)
-        B.check(kernel, conv, op, device)
-        us = B.measure_us(kernel, conv, op, device, repeat=3, min_ms=min_ms)
+        B.check(kernel, conv, op, device, B.layout_of(cfg))
+        us = B.measure_us(kernel, conv, op, device, repeat=3, min_ms=min_ms, layout=B.layout_of(cfg))
     except Exception as e:  # a compile error or a wrong result: never a record
         return Measurement(cfg, math.inf, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
     return Measurement(cfg, us)

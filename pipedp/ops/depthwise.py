@@ -6,8 +6,10 @@ trace through them; autograd of the forward calls the two gradient ops. Each
 runs the tuned kernel for its exact problem when the loaded library has one
 and torch's own convolution otherwise, so results never depend on what was
 tuned, only speed does. Tensors go to the kernel directly (zero copy; on
-CUDA the kernel runs on torch's current stream); the kernels are NCHW, so
-other layouts are made contiguous first.
+CUDA the kernel runs on torch's current stream). The input's memory format
+picks the kernel: a contiguous input runs the NCHW kernel, a channels_last
+one the NHWC kernel (on CPU, where that layout is the fast one), and the
+output and gradients keep that format.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from kernels.tvm.layout import arrange, empty, layout_of_tensor
 from kernels.tvm.problem import DepthwiseConv
 
 from .runtime import KernelLibrary, load_library
@@ -60,8 +63,9 @@ def problem_of(x_shape: Sequence[int], w_shape: Sequence[int], stride, padding, 
     )
 
 
-def _kernel(op: str, device: torch.device, x_shape, w_shape, stride, padding, dilation, dtype: torch.dtype):
-    """The tuned kernel for this exact problem, or None (then torch computes it)."""
+def _kernel(op: str, device: torch.device, x_shape, w_shape, stride, padding, dilation, dtype: torch.dtype,
+            layout: str):
+    """The tuned kernel for this exact problem and activation layout, or None (then torch computes it)."""
     lib = _libraries.get(device.type)
     if lib is None:
         return None
@@ -69,9 +73,9 @@ def _kernel(op: str, device: torch.device, x_shape, w_shape, stride, padding, di
         p = problem_of(x_shape, w_shape, stride, padding, dilation, dtype)
     except ValueError:  # a dtype or kernel size the kernels do not cover
         return None
-    k = lib.find(op, p)
+    k = lib.find(op, p, layout)
     if k is None:
-        log.debug("no tuned %s kernel for %s on %s: torch runs it", op, p, device)
+        log.debug("no tuned %s %s kernel for %s on %s: torch runs it", layout, op, p, device)
     return k
 
 
@@ -85,68 +89,71 @@ def _out_shape(x_shape, w_shape, stride, padding, dilation) -> list[int]:
 
 @torch.library.custom_op("pipedp::depthwise_fwd", mutates_args=())
 def _fwd(x: torch.Tensor, weight: torch.Tensor, stride: list[int], padding: list[int], dilation: list[int]) -> torch.Tensor:
-    k = _kernel("fwd", x.device, x.shape, weight.shape, stride, padding, dilation, x.dtype)
+    layout = layout_of_tensor(x)
+    k = _kernel("fwd", x.device, x.shape, weight.shape, stride, padding, dilation, x.dtype, layout)
     if k is None:
         return F.conv2d(x, weight, None, stride, padding, dilation, x.shape[1])
-    y = x.new_empty(_out_shape(x.shape, weight.shape, stride, padding, dilation))
-    k(x.contiguous(), weight.contiguous(), y)
+    y = empty(_out_shape(x.shape, weight.shape, stride, padding, dilation), x, layout)
+    k(arrange(x, layout), weight.contiguous(), arrange(y, layout))
     return y
 
 
 @_fwd.register_fake
 def _(x, weight, stride, padding, dilation):
-    return x.new_empty(_out_shape(x.shape, weight.shape, stride, padding, dilation))
+    return empty(_out_shape(x.shape, weight.shape, stride, padding, dilation), x, layout_of_tensor(x))
 
+
+# The gradient ops take the forward input's layout: gradients are stored like the tensors they belong to.
 
 @torch.library.custom_op("pipedp::depthwise_dgrad", mutates_args=())
 def _dgrad(grad: torch.Tensor, weight: torch.Tensor, x_shape: list[int], stride: list[int], padding: list[int],
-           dilation: list[int]) -> torch.Tensor:
-    k = _kernel("dgrad", grad.device, x_shape, weight.shape, stride, padding, dilation, grad.dtype)
+           dilation: list[int], layout: str) -> torch.Tensor:
+    k = _kernel("dgrad", grad.device, x_shape, weight.shape, stride, padding, dilation, grad.dtype, layout)
     if k is None:
-        x = grad.new_empty(x_shape)
+        x = empty(x_shape, grad, layout)
         return torch.ops.aten.convolution_backward(
             grad, x, weight, None, stride, padding, dilation, False, [0, 0], x_shape[1], [True, False, False]
         )[0]
-    dx = grad.new_empty(x_shape)
-    k(grad.contiguous(), weight.contiguous(), dx)
+    dx = empty(x_shape, grad, layout)
+    k(arrange(grad, layout), weight.contiguous(), arrange(dx, layout))
     return dx
 
 
 @_dgrad.register_fake
-def _(grad, weight, x_shape, stride, padding, dilation):
-    return grad.new_empty(x_shape)
+def _(grad, weight, x_shape, stride, padding, dilation, layout):
+    return empty(x_shape, grad, layout)
 
 
 @torch.library.custom_op("pipedp::depthwise_wgrad", mutates_args=())
 def _wgrad(x: torch.Tensor, grad: torch.Tensor, w_shape: list[int], stride: list[int], padding: list[int],
-           dilation: list[int]) -> torch.Tensor:
-    k = _kernel("wgrad", x.device, x.shape, w_shape, stride, padding, dilation, x.dtype)
+           dilation: list[int], layout: str) -> torch.Tensor:
+    k = _kernel("wgrad", x.device, x.shape, w_shape, stride, padding, dilation, x.dtype, layout)
     if k is None:
         w = x.new_empty(w_shape)
         return torch.ops.aten.convolution_backward(
             grad, x, w, None, stride, padding, dilation, False, [0, 0], x.shape[1], [False, True, False]
         )[1]
     dw = x.new_empty(w_shape)
-    k(x.contiguous(), grad.contiguous(), dw)
+    k(arrange(x, layout), arrange(grad, layout), dw)
     return dw
 
 
 @_wgrad.register_fake
-def _(x, grad, w_shape, stride, padding, dilation):
+def _(x, grad, w_shape, stride, padding, dilation, layout):
     return x.new_empty(w_shape)
 
 
 def _setup(ctx, inputs, output):
     x, weight, stride, padding, dilation = inputs
     ctx.save_for_backward(x, weight)
-    ctx.args = (stride, padding, dilation)
+    ctx.args = (stride, padding, dilation, layout_of_tensor(x))
 
 
 def _backward(ctx, grad):
     x, weight = ctx.saved_tensors
-    stride, padding, dilation = ctx.args
-    dx = _dgrad(grad, weight, list(x.shape), stride, padding, dilation) if ctx.needs_input_grad[0] else None
-    dw = _wgrad(x, grad, list(weight.shape), stride, padding, dilation) if ctx.needs_input_grad[1] else None
+    stride, padding, dilation, layout = ctx.args
+    dx = _dgrad(grad, weight, list(x.shape), stride, padding, dilation, layout) if ctx.needs_input_grad[0] else None
+    dw = _wgrad(x, grad, list(weight.shape), stride, padding, dilation, layout) if ctx.needs_input_grad[1] else None
     return dx, dw, None, None, None
 
 

@@ -90,9 +90,9 @@ class KernelLibrary:
         self.kernels: dict[str, str] = dict(export["kernels"])
         self._funcs: dict[str, Callable[..., Any]] = {}
 
-    def find(self, op: str, problem: DepthwiseConv) -> Callable[..., Any] | None:
-        """The kernel for ``op`` on ``problem``, or None if it was not tuned."""
-        sym = self.kernels.get(rec.problem_key(op, problem.key(), self.target))
+    def find(self, op: str, problem: DepthwiseConv, layout: str = "NCHW") -> Callable[..., Any] | None:
+        """The kernel for ``op`` on ``problem`` with ``layout`` activations, or None if it was not tuned."""
+        sym = self.kernels.get(rec.problem_key(op, problem.key(), self.target, layout))
         if sym is None:
             return None
         if sym not in self._funcs:

@@ -15,6 +15,8 @@ import os
 import torch
 from torch import nn
 
+from kernels.tvm.layout import layout_of_tensor
+
 from .depthwise import active_library, depthwise_conv2d, load, problem_of
 from .runtime import default_db
 
@@ -46,12 +48,14 @@ class TunedDepthwiseConv2d(nn.Conv2d):
     def _require(self, x: torch.Tensor) -> None:
         lib = active_library(x.device)
         p = problem_of(x.shape, self.weight.shape, self.stride, self.padding, self.dilation, x.dtype)
-        missing = [op for op in ("fwd", "dgrad", "wgrad") if lib is None or lib.find(op, p) is None]
+        layout = layout_of_tensor(x)
+        missing = [op for op in ("fwd", "dgrad", "wgrad") if lib is None or lib.find(op, p, layout) is None]
         if missing:
             raise RuntimeError(
-                f"kernels='tvm': no tuned {'/'.join(missing)} kernel on {x.device} for a depthwise layer "
+                f"kernels='tvm': no tuned {layout} {'/'.join(missing)} kernel on {x.device} for a depthwise layer "
                 f"(kernel {tuple(self.kernel_size)}, stride {tuple(self.stride)}) whose input is {tuple(x.shape)}. "
-                f"Run `tune-kernels --model <your model> --input-shape {x.shape[0]},C,H,W --target {x.device.type}` "
+                f"Run `tune-kernels --model <your model> --input-shape {x.shape[0]},C,H,W --target {x.device.type} "
+                f"--layouts {layout.lower()}` "
                 f"with your model's input shape at this batch size (pipedp feeds microbatches: N={x.shape[0]}), "
                 f"or wrap with kernels='auto' to use torch where no kernel was tuned"
             )

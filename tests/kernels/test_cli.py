@@ -30,13 +30,15 @@ TRAIN = textwrap.dedent("""
     import net, pipedp
     torch.manual_seed(0)
     model = net.build(); ref = copy.deepcopy(model)
+    fmt = torch.channels_last if sys.argv[3] == "nhwc" else torch.contiguous_format
+    model.to(memory_format=fmt)
     engine = pipedp.wrap(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=nn.CrossEntropyLoss(),
                          microbatches=2, stages=2, kernels="tvm", kernel_db=sys.argv[2], profile=False, progress=False)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(1)
     for _ in range(3):
         x, y = torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
-        engine.train_step(x, y)
+        engine.train_step(x.contiguous(memory_format=fmt), y)
         opt.zero_grad()
         for xs, ys in zip(x.split(4), y.split(4)):
             (nn.CrossEntropyLoss()(ref(xs), ys) * 0.5).backward()
@@ -58,8 +60,8 @@ def tuned(tmp_path_factory):
     return root, db
 
 
-def _train(root, db):
-    done = subprocess.run([sys.executable, "-c", TRAIN, str(root), str(db)], capture_output=True, text=True,
+def _train(root, db, layout="nchw"):
+    done = subprocess.run([sys.executable, "-c", TRAIN, str(root), str(db), layout], capture_output=True, text=True,
                           timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     return done
 
@@ -68,14 +70,17 @@ def test_cli_tunes_every_depthwise_kernel_and_exports(tuned, capsys):
     _, db = tuned
     recs = R.read(db / R.RECORDS_FILE)
     export = R.latest_export(recs, recs[-1]["target"])
-    assert export is not None and len(export["kernels"]) == 6  # 2 problems x fwd, dgrad, wgrad
+    assert export is not None and len(export["kernels"]) == 12  # 2 problems x fwd, dgrad, wgrad x NCHW, NHWC
     measured = [r for r in recs if r["kind"] == "measure"]
     assert all(r["us"] > 0 and set(r["torch_us"]) == {"nchw", "nhwc"} and "tvm" in r["versions"] for r in measured)
+    assert {r["layout"] for r in measured} == {"NCHW", "NHWC"}
+    assert all(r["layout"] == r["config"]["layout"] for r in measured if r["layout"] == "NHWC")
 
 
-def test_training_with_tuned_kernels_matches_torch_without_the_compiler(tuned):
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_training_with_tuned_kernels_matches_torch_without_the_compiler(tuned, layout):
     root, db = tuned
-    done = _train(root, db)
+    done = _train(root, db, layout)  # kernels="tvm": a layer without a kernel in this layout is an error
     assert done.returncode == 0, done.stderr[-3000:]
     words = done.stdout.split()
     assert words[1] == "2" and float(words[3]) <= 1e-5 and words[5] == "False", done.stdout
@@ -107,3 +112,5 @@ def test_find_depthwise_dedupes_and_bad_arguments():
         cli.main(["--model", "mobilenet_v2", "--input-shape", "2,3,32"])
     with pytest.raises(SystemExit, match="not a zoo model"):
         cli.main(["--model", "nope", "--input-shape", "2,3,32,32"])
+    with pytest.raises(SystemExit, match="come in nchw,nhwc"):
+        cli.main(["--model", "mobilenet_v2", "--input-shape", "2,3,32,32", "--layouts", "nchwc"])

@@ -9,6 +9,7 @@ pytest.importorskip("tvm")
 import torch  # noqa: E402
 
 from kernels.tvm import build as B  # noqa: E402
+from kernels.tvm.layout import LAYOUTS, arrange  # noqa: E402
 from kernels.tvm.ops import OPS, DepthwiseConv  # noqa: E402
 
 GRID = [
@@ -31,12 +32,29 @@ def target():
 
 @pytest.mark.parametrize("conv", GRID, ids=str)
 @pytest.mark.parametrize("op", OPS)
-def test_scheduled_kernels_match_torch(conv, op, target):
-    space = B.space(conv, op, target)
-    rng = random.Random(hash((str(conv), op)) & 0xFFFF)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_scheduled_kernels_match_torch(conv, op, layout, target):
+    space = B.space(conv, op, target, layout)
+    rng = random.Random(hash((str(conv), op, layout)) & 0xFFFF)
     configs = list(itertools.islice(space.all(), 1)) + [space.sample(rng) for _ in range(2)]
     for cfg in configs:
-        B.check(B.build(conv, op, cfg, target), conv, op, CPU)  # raises if off
+        assert B.layout_of(cfg) == layout
+        B.check(B.build(conv, op, cfg, target), conv, op, CPU, layout)  # raises if off
+
+
+def test_nhwc_kernels_take_channels_last_tensors_without_a_copy(target):
+    conv = DepthwiseConv(2, 8, 6, 5, padding=1)
+    kernel = B.build(conv, "fwd", B.space(conv, "fwd", target, "NHWC").sample(random.Random(0)), target)
+    (x, w), ref = B.reference(conv, "fwd", CPU)
+    x = x.contiguous(memory_format=torch.channels_last)
+    y = B.call(kernel, "fwd", "NHWC", [arrange(x, "NHWC"), w], tuple(ref.shape))
+    assert arrange(x, "NHWC").data_ptr() == x.data_ptr()
+    assert y.is_contiguous(memory_format=torch.channels_last) and torch.allclose(y, ref, atol=1e-5)
+
+
+def test_cuda_has_no_nhwc_template():
+    with pytest.raises(ValueError, match="no cuda template"):
+        B.template(B.make_target("cuda", "sm_90"), "NHWC")
 
 
 def test_check_rejects_a_wrong_kernel():

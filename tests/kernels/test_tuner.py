@@ -29,10 +29,10 @@ def test_budget_curve_and_no_repeats():
 def test_a_wrong_kernel_never_becomes_a_measurement(monkeypatch):
     real = B.check
 
-    def flaky(kernel, conv, op, device):
+    def flaky(kernel, conv, op, device, layout):
         if T._key(current["cfg"]).count('"cache": 1'):
             raise ValueError("differs from torch")
-        return real(kernel, conv, op, device)
+        return real(kernel, conv, op, device, layout)
 
     current = {}
     real_build = B.build

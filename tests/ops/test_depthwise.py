@@ -53,3 +53,16 @@ def test_fake_tensors_get_the_output_shape():
 def test_bad_shapes_are_clear_errors():
     with pytest.raises(ValueError, match=r"weight \(M\*C, 1, kh, kw\)"):
         depthwise_conv2d(torch.randn(1, 4, 8, 8), torch.randn(6, 1, 3, 3))
+
+
+def test_channels_last_stays_channels_last_through_forward_and_backward():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 8, 9, 9, generator=g).contiguous(memory_format=torch.channels_last).requires_grad_()
+    w = torch.randn(8, 1, 3, 3, generator=g, requires_grad=True)
+    y = depthwise_conv2d(x, w, None, 2, 1, 1)
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    y.backward(torch.ones_like(y))
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    F.conv2d(xr, wr, stride=2, padding=1, groups=8).sum().backward()
+    assert x.grad.is_contiguous(memory_format=torch.channels_last)
+    assert torch.allclose(x.grad, xr.grad, atol=1e-6) and torch.allclose(w.grad, wr.grad, atol=1e-5)

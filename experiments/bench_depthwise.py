@@ -1,0 +1,179 @@
+"""Benchmark: tuned depthwise kernels vs torch's best layout, and our tuner vs MetaSchedule.
+
+The problems are MobileNetV2's depthwise convolutions at 32x32 (batch 128,
+the CIFAR-style net) and 224x224 (batch 32, the ImageNet net). For each
+problem and operator (forward, grad-input, grad-weight) our tuner searches
+``--trials`` candidates per layout; torch runs the same problem in NCHW and in
+channels_last, and the better of the two is the baseline. Reported per
+kernel: µs of each, speedup over torch's best layout, and the fraction of the
+memory-bandwidth bound reached (the bytes the operator must move over the
+measured copy bandwidth). ``--metaschedule K`` also tunes the first K
+forward problems with TVM's MetaSchedule at the same trial budget and records
+both tuners' best-so-far curves.
+
+    python -m experiments.bench_depthwise --target cpu --trials 32 --out experiments/results/depthwise_cpu.json
+    python -m experiments.bench_depthwise --target cuda --trials 64 --metaschedule 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from experiments.machine import describe
+from experiments.report import write_json
+from experiments.models import mobilenet_v2
+from kernels.tvm import build as B
+from kernels.tvm.cli import _bandwidth_gbs, find_depthwise
+from kernels.tvm.ops import OPS, DepthwiseConv, compute
+from kernels.tvm.tuner import tune
+
+SETS = {
+    "32x32": (lambda: mobilenet_v2(cifar=True), (128, 3, 32, 32)),
+    "224x224": (lambda: mobilenet_v2(cifar=False), (32, 3, 224, 224)),
+}
+
+
+def problems(which: list[str], limit: int | None) -> list[tuple[str, DepthwiseConv]]:
+    out = []
+    for name in which:
+        make, shape = SETS[name]
+        found = find_depthwise(make(), shape)
+        out += [(name, p) for p in found[:limit]]
+    return out
+
+
+def _ms_build(mod: Any, target: Any, _params: Any = None) -> Any:
+    import tvm
+
+    return tvm.compile(mod, target=target).mod
+
+
+def metaschedule_curve(conv: DepthwiseConv, op: str, layout: str, target: B.Target, trials: int) -> list[float]:
+    """MetaSchedule's best µs after each trial on the same compute, at the same budget (its own space and model)."""
+    import tvm
+    from tvm import te
+    from tvm.s_tir import meta_schedule as ms
+
+    func = te.create_prim_func(compute(conv, op, layout)).with_attr("global_symbol", "main")
+    if target.kind.name == "llvm":  # MetaSchedule's CPU rules need the core count in the target
+        target = tvm.target.Target({**dict(target.export()), "num-cores": len(os.sched_getaffinity(0))})
+    with tempfile.TemporaryDirectory() as work:
+        db = ms.tune_tir(
+            mod=tvm.IRModule({"main": func}), target=target, work_dir=work, max_trials_global=trials,
+            num_trials_per_iter=8, builder=ms.builder.LocalBuilder(f_build=_ms_build, timeout_sec=120),
+            runner=ms.runner.LocalRunner(timeout_sec=120), seed=0,
+        )
+        runs = [r.run_secs for r in db.get_all_tuning_records()]
+    curve, best = [], math.inf
+    for secs in runs:
+        vals = [float(s) for s in secs or []]
+        if vals and all(v < 1e9 for v in vals):
+            best = min(best, statistics.fmean(vals) * 1e6)
+        curve.append(best)
+    return curve
+
+
+def _geomean(values: list[float]) -> float | None:
+    return math.exp(statistics.fmean(math.log(v) for v in values)) if values else None
+
+
+def bench_kernel(set_name: str, prob: DepthwiseConv, op: str, layouts: list[str], target: B.Target,
+                 device: torch.device, trials: int, gbs: float) -> dict[str, Any]:
+    """Tune ``op`` on ``prob`` in every layout; torch in both layouts, measured right after, is the baseline."""
+    t0 = time.time()
+    tuned = {layout: tune(prob, op, target, device, trials=trials, layout=layout) for layout in layouts}
+    base = {"nchw": B.torch_us(prob, op, device, False), "nhwc": B.torch_us(prob, op, device, True)}
+    ours = {layout: r.best.us for layout, r in tuned.items() if r.best}
+    best_layout = min(ours, key=ours.get) if ours else None
+    best = ours.get(best_layout, math.nan) if best_layout else math.nan
+    torch_best = min(base.values())
+    bound_us = prob.min_bytes(op) / (gbs * 1e9) * 1e6
+    return {
+        "set": set_name, "problem": prob.key(), "op": op, "us": ours.get(best_layout), "layout": best_layout,
+        "us_by_layout": ours, "config": tuned[best_layout].best.config if best_layout else None,
+        "torch_us": base, "speedup": torch_best / best if ours else None,
+        # Same layout on both sides: what a model that keeps its memory format gains.
+        "speedup_same_layout": {k: base[k.lower()] / v for k, v in ours.items()},
+        "bandwidth_fraction": bound_us / best if ours else None, "torch_bandwidth_fraction": bound_us / torch_best,
+        "curves": {layout: r.best_so_far() for layout, r in tuned.items()}, "tune_s": time.time() - t0,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--target", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--sets", default="32x32,224x224")
+    p.add_argument("--limit", type=int, default=None, help="first N problems of each set")
+    p.add_argument("--ops", default=",".join(OPS))
+    p.add_argument("--layouts", default="auto", help="nchw,nhwc (auto: every layout the target has)")
+    p.add_argument("--trials", type=int, default=32, help="per kernel and layout")
+    p.add_argument("--metaschedule", type=int, default=0, help="also tune the first K fwd problems with MetaSchedule")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    device = torch.device("cuda" if args.target == "cuda" else "cpu")
+    arch = None
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability()
+        arch = f"sm_{major}{minor}"
+    target = B.make_target(args.target, arch)
+    layouts = list(B.layouts_for(target)) if args.layouts == "auto" else [v.upper() for v in args.layouts.split(",")]
+    gbs = _bandwidth_gbs(device)
+    report: dict[str, Any] = {"benchmark": "bench_depthwise", "date": time.strftime("%Y-%m-%d"),
+                              "machine": describe(device), "copy_bandwidth_gbs": gbs, "settings": vars(args),
+                              "rows": [], "metaschedule": []}
+    rows = report["rows"]
+    for set_name, prob in problems(args.sets.split(","), args.limit):
+        for op in args.ops.split(","):
+            row = bench_kernel(set_name, prob, op, layouts, target, device, args.trials, gbs)
+            rows.append(row)
+            base = row["torch_us"]
+            mine = "  ".join(f"{k} {v:9.1f}" for k, v in row["us_by_layout"].items())
+            print(f"{set_name:8s} C={prob.c:4d} {prob.h}x{prob.w} s{prob.stride[0]} {op:5s} ours {mine}  "
+                  f"torch NCHW {base['nchw']:9.1f} NHWC {base['nhwc']:9.1f}  speedup {row['speedup'] or math.nan:5.2f}x  "
+                  f"{100 * (row['bandwidth_fraction'] or 0):4.0f}% of bw bound", flush=True)
+            if args.out:  # after every kernel, so a cut-off run keeps what it measured
+                write_json(args.out, report)
+    ms_layout = layouts[-1]  # the layout our template is strongest in (NHWC on CPU)
+    for set_name, prob in problems(args.sets.split(","), args.limit)[: args.metaschedule]:
+        ours = next(r for r in rows if r["problem"] == prob.key() and r["op"] == "fwd" and r["set"] == set_name)
+        ours_curve = ours["curves"][ms_layout]
+        curve = metaschedule_curve(prob, "fwd", ms_layout, target, args.trials)
+        ms_best = min(curve) if curve else math.inf
+        reach = next((i + 1 for i, v in enumerate(ours_curve) if v <= ms_best), None)
+        report["metaschedule"].append({
+            "set": set_name, "problem": prob.key(), "layout": ms_layout, "metaschedule_curve": curve,
+            "ours_curve": ours_curve, "metaschedule_best_us": ms_best, "ours_best_us": min(ours_curve),
+            "ours_trials_to_reach_it": reach})
+        print(f"MetaSchedule {set_name} C={prob.c} fwd {ms_layout}: best {ms_best:.1f} us in {len(curve)} trials; "
+              f"ours {min(ours_curve):.1f} us, reached MetaSchedule's best after {reach} trials", flush=True)
+    summary: dict[str, Any] = {
+        "kernels": len(rows),
+        "geomean_speedup": _geomean([r["speedup"] for r in rows if r["speedup"]]),
+        "geomean_bandwidth_fraction": _geomean([r["bandwidth_fraction"] for r in rows if r["bandwidth_fraction"]]),
+        "geomean_torch_bandwidth_fraction": _geomean([r["torch_bandwidth_fraction"] for r in rows]),
+    }
+    for op in OPS:
+        summary[f"geomean_speedup_{op}"] = _geomean([r["speedup"] for r in rows if r["op"] == op and r["speedup"]])
+    for name in SETS:
+        summary[f"geomean_speedup_{name}"] = _geomean([r["speedup"] for r in rows if r["set"] == name and r["speedup"]])
+    for layout in layouts:
+        summary[f"geomean_speedup_same_layout_{layout}"] = _geomean(
+            [r["speedup_same_layout"][layout] for r in rows if layout in r["speedup_same_layout"]])
+    report["summary"] = summary
+    print(json.dumps(summary, indent=1))
+    if args.out:
+        write_json(args.out, report)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""CPU schedule templates for NHWC activations: vectors along channels.
+
+With channels innermost, one vector holds ``vec`` neighbouring channels of
+one pixel, every tap is a contiguous load, and a vector of transposed
+weights is one load too. Forward and grad-input share one template:
+
+    parallel  fuse(n, h, [c_outer])                -- "task": a row, or a row x channel block
+      [c_outer]
+        w_outer
+          taps (m), r, s                            -- unrolled when unroll=1
+            w_inner (tile_w)                        -- register tile of tile_w pixels
+              c_inner (vec, vectorised)
+
+Padding is inlined: its test depends on (h, w) only, so it is one scalar
+branch per vector. Grad-weight keeps kh*kw accumulator vectors per channel
+block in registers while it streams over (n, h, w), and splits n into
+``nsplit`` partial sums (rfactor) for parallelism when there are few
+channel blocks:
+
+    parallel  fuse(n_outer, c_outer)
+      n_inner, h, w
+        r, s (unrolled)
+          c_inner (vec, vectorised)                 -- dwT[r, s, c] += dy * x
+"""
+
+from __future__ import annotations
+
+import math
+
+from tvm import s_tir
+
+from .ops import DepthwiseConv
+from .space import Config, InvalidConfig, Knob, Space, divisors
+
+__all__ = ["space", "apply", "validate", "features"]
+
+
+def _vectors(channels: int) -> tuple[int, ...]:
+    return tuple(v for v in (32, 16, 8, 4) if channels % v == 0) or (1,)
+
+
+def space(conv: DepthwiseConv, op: str) -> Space:
+    oh, ow = conv.out_hw
+    layout = Knob("layout", ("NHWC",), "activations stored (n, h, w, c)")
+    if op == "wgrad":
+        return Space("cpu-nhwc-wgrad", (
+            layout,
+            Knob("vec", _vectors(conv.out_channels), "channels per vector"),
+            Knob("nsplit", tuple(d for d in (1, 2, 4, 8, 16) if conv.n % d == 0), "parallel partial sums over n"),
+            Knob("unroll", (1, 0), "unroll the kernel taps"),
+        ))
+    width, channels = (ow, conv.out_channels) if op == "fwd" else (conv.w, conv.c)
+    return Space(f"cpu-nhwc-{op}", (
+        layout,
+        Knob("vec", _vectors(channels), "channels per vector"),
+        Knob("tile_w", divisors(width, 8), "pixels per register tile"),
+        Knob("task", ("row", "block"), "a parallel task is an output row, or a row x channel block"),
+        Knob("cache", (1, 0), "accumulate the tile in a local buffer"),
+        Knob("unroll", (1, 0), "unroll the kernel taps"),
+    ))
+
+
+def validate(conv: DepthwiseConv, op: str, config: Config) -> None:
+    space(conv, op).check(config)
+    if op != "wgrad" and config["tile_w"] * config["vec"] > 16 * 16:
+        raise InvalidConfig(f"tile {config['tile_w']}x{config['vec']} is over 16 vector registers")
+    if op == "wgrad" and conv.kernel[0] * conv.kernel[1] * config["vec"] > 49 * 16:
+        raise InvalidConfig(f"{conv.kernel} taps x {config['vec']} channels is over the register file")
+
+
+def apply(sch: s_tir.Schedule, conv: DepthwiseConv, op: str, config: Config) -> s_tir.Schedule:
+    validate(conv, op, config)
+    if op == "wgrad":
+        _wgrad(sch, conv, config)
+    else:
+        sch.parallel(sch.get_loops(sch.get_sblock("wT"))[0])  # (kh, kw, c): a few µs
+        _conv_like(sch, conv, op, config)
+    return sch
+
+
+def _conv_like(sch: s_tir.Schedule, conv: DepthwiseConv, op: str, cfg: Config) -> None:
+    out = sch.get_sblock("y" if op == "fwd" else "dx")
+    n, i, j, c, *taps = sch.get_loops(out)
+    co, ci = sch.split(c, [None, cfg["vec"]])
+    jo, ji = sch.split(j, [None, cfg["tile_w"]])
+    block = cfg["task"] == "block"
+    sch.reorder(n, i, co, jo, *taps, ji, ci) if block else sch.reorder(n, i, jo, co, *taps, ji, ci)
+    inner = jo if block else co
+    if cfg["cache"]:
+        local = sch.cache_write(out, 0, "local")
+        sch.reverse_compute_at(local, inner)
+    task = sch.fuse(n, i, co) if block else sch.fuse(n, i)
+    sch.parallel(task)
+    pad = "pad" if op == "fwd" else "dy_pad"
+    if op == "dgrad" or conv.padding != (0, 0):
+        sch.compute_inline(sch.get_sblock(pad))
+    if cfg["unroll"]:
+        for t in taps:
+            sch.unroll(t)
+    sch.unroll(ji)
+    sch.vectorize(ci)
+    if cfg["cache"] and cfg["vec"] > 1:  # (with vec 1 the innermost loop left would be the channel blocks)
+        sch.vectorize(sch.get_loops(local)[-1])
+    sch.decompose_reduction(out, taps[0])
+
+
+def _wgrad(sch: s_tir.Schedule, conv: DepthwiseConv, cfg: Config) -> None:
+    blk = sch.get_sblock("dwT")
+    if cfg["nsplit"] > 1:
+        r, s, o, n, i, j = sch.get_loops(blk)
+        n0, _ = sch.split(n, [cfg["nsplit"], None])
+        blk = sch.rfactor(n0, factor_axis=0)  # dwT_rf[n0, r, s, o]
+        n0, r, s, o, n1, i, j = sch.get_loops(blk)
+    else:
+        r, s, o, n1, i, j = sch.get_loops(blk)
+        n0 = None
+    oo, oi = sch.split(o, [None, cfg["vec"]])
+    head = [n0, oo] if n0 is not None else [oo]
+    sch.reorder(*head, n1, i, j, r, s, oi)
+    local = sch.cache_write(blk, 0, "local")
+    sch.reverse_compute_at(local, oo)
+    task = sch.fuse(*head) if len(head) > 1 else oo
+    sch.parallel(task)
+    if conv.padding != (0, 0):
+        sch.compute_inline(sch.get_sblock("pad"))
+    if cfg["unroll"]:
+        sch.unroll(r)
+        sch.unroll(s)
+    sch.vectorize(oi)
+    sch.decompose_reduction(blk, n1)
+
+
+def features(conv: DepthwiseConv, op: str, config: Config) -> list[float]:
+    oh, ow = conv.out_hw
+    channels = conv.out_channels if op != "dgrad" else conv.c
+    blocks = channels / config["vec"]
+    if op == "wgrad":
+        return [math.log2(config["vec"]), math.log2(blocks * config["nsplit"]), 0.0, 0.0]
+    rows = conv.n * (oh if op == "fwd" else conv.h)
+    tasks = rows * (blocks if config["task"] == "block" else 1)
+    return [math.log2(config["vec"]), math.log2(tasks), math.log2(config["tile_w"] * config["vec"]), float(channels)]
