@@ -110,7 +110,7 @@ def _wgrad(sch: s_tir.Schedule, conv: DepthwiseConv, cfg: Config) -> None:
         r, s, o, n, i, j = sch.get_loops(blk)
         n0, _ = sch.split(n, [cfg["nsplit"], None])
         blk = sch.rfactor(n0, factor_axis=0)  # dwT_rf[n0, r, s, o]
-        n0, r, s, o, n1, i, j = sch.get_loops(blk)
+        r, s, o, n0, n1, i, j = sch.get_loops(blk)  # the rf block keeps the original loop order
     else:
         r, s, o, n1, i, j = sch.get_loops(blk)
         n0 = None
