@@ -6,15 +6,18 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test test-slow clean
+.PHONY: setup reproduce demo test test-slow clean
 
 setup: $(VENV)/.ready
 
 $(VENV)/.ready: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev,tvm]"
+	$(PY) -m pip install -q -e ".[dev,tvm,experiments]"
 	touch $@
+
+reproduce: setup
+	$(PY) -m experiments.reproduce_paper --quick --trace reproduce-out/trace.json --out reproduce-out
 
 demo: setup
 	$(PY) -m experiments.demo
@@ -26,4 +29,4 @@ test-slow: setup
 	$(PY) -m pytest -q -m slow
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache reproduce-out

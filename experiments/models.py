@@ -14,7 +14,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-__all__ = ["BasicBlock", "Bottleneck", "ResNet", "resnet18", "resnet34", "resnet50", "MODELS", "get_model"]
+__all__ = [
+    "BasicBlock", "Bottleneck", "ResNet", "resnet18", "resnet34", "resnet50", "MODELS", "get_model", "paper_model",
+]
 
 
 def _conv3x3(cin: int, cout: int, stride: int = 1) -> nn.Conv2d:
@@ -187,3 +189,27 @@ def get_model(name: str, **kw) -> nn.Module:
         return MODELS[name](**kw)
     except KeyError:
         raise ValueError(f"unknown model {name!r}: choose one of {sorted(MODELS)}") from None
+
+
+def paper_model(name: str, num_classes: int, image_size: int = 32, width: int = 64) -> nn.Module:
+    """The model the paper trains on inputs of ``image_size``.
+
+    32x32 (CIFAR-shaped) inputs get the CIFAR-style ResNet (3x3 stem, no
+    max-pool); larger ones (Caltech-101 at 224x224) the ImageNet-style ResNet:
+    torchvision's own class when torchvision is installed at the standard width,
+    the same structure from this zoo otherwise. ``mobilenet_v2`` follows the
+    same rule.
+    """
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}: choose one of {sorted(MODELS)}")
+    cifar = image_size <= 64
+    if name == "mobilenet_v2":
+        return mobilenet_v2(num_classes, width=width / 64, cifar=cifar)
+    if not cifar and width == 64:
+        try:
+            import torchvision.models as tv
+
+            return getattr(tv, name)(num_classes=num_classes)
+        except ImportError:
+            pass
+    return MODELS[name](num_classes, width=width, cifar=cifar)

@@ -5,25 +5,17 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from typing import Any
+
+from pipedp import atomic
 
 __all__ = ["write_json", "write_text"]
 
 
 def write_text(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` atomically: a reader sees the old file or the new one, never half of it."""
-    folder = os.path.dirname(path) or "."
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    """Write ``text`` to ``path`` atomically (creating its folder): never half a file."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    atomic.write_text(path, text)
 
 
 def _finite(v: Any) -> Any:

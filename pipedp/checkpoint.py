@@ -1,9 +1,7 @@
 """Checkpoint files that are whole or absent, read back as data only, and RNG streams.
 
 A crash in the middle of ``torch.save`` must not destroy the previous
-checkpoint: :func:`save` writes a temporary file in the same directory,
-fsyncs it and renames it over the target (atomic on POSIX), then fsyncs the
-directory so the rename itself survives a power loss. :func:`load` uses
+checkpoint: :func:`save` writes through :mod:`pipedp.atomic`. :func:`load` uses
 ``weights_only=True``: unpickling a checkpoint cannot run code. RNG states are
 stored as tensors and plain Python values so they pass that loader.
 """
@@ -12,43 +10,24 @@ from __future__ import annotations
 
 import os
 import random
-import tempfile
 import warnings
 from typing import Any
 
 import numpy as np
 import torch
 
+from .atomic import replace_atomically
+
 __all__ = ["save", "load", "rng_state", "set_rng_state"]
 
 
 def save(obj: dict[str, Any], path: str | os.PathLike) -> None:
     """``torch.save(obj, path)``, atomically: the old file stays until the new one is complete."""
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
+    folder = os.path.dirname(os.path.abspath(os.fspath(path)))
     if not os.path.isdir(folder):
         raise ValueError(f"cannot save a checkpoint to {path}: the directory {folder} does not exist; create it first")
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    try:
-        dfd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:  # some platforms cannot fsync a directory
-        pass
+    with replace_atomically(path) as f:
+        torch.save(obj, f)
 
 
 def load(path: str | os.PathLike, map_location: Any = None) -> dict[str, Any]:

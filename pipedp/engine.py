@@ -34,7 +34,8 @@ from .pipeline.graphed import StepGraph, captured_call, hyper_signature
 from .pipeline.p2p import Transport
 from .pipeline.schedule import get_schedule
 from .pipeline.stage import Stage
-from .pipeline.stream import new_lane
+from .pipeline.stream import current_lane, new_lane
+from .pipeline.trace import Clock, step_spans, write_trace
 from .plan import Plan
 from .planner import StagesSpec, build_plan, resolve_counts, stage_devices, stage_places
 from .state import broadcast_decision, gather_rng, merge_pipeline_state, share_loss
@@ -152,8 +153,9 @@ class Engine:
             group exists (default: data parallel whenever one is initialised).
         kernels: ``"auto"`` runs depthwise convolutions with the tuned TVM kernels
             exported by ``tune-kernels`` where one exists for the layer's shape
-            (torch elsewhere), ``"tvm"`` makes a missing kernel an error,
-            ``"torch"`` never uses them.
+            and measured faster than torch (torch elsewhere), ``"tvm"`` uses
+            every tuned kernel and makes a missing one an error, ``"torch"``
+            never uses them.
         kernel_db: the ``tune-kernels --db`` folder (default: the per-user cache).
     """
 
@@ -214,6 +216,7 @@ class Engine:
         self._bn: DeferredBatchNorm | None = None
         self._snapshot: _BufferSnapshot | None = None
         self._graph: StepGraph | None = None
+        self._trace_path: str | None = None
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be a positive number of MiB, got {bucket_mb!r}")
         self.bucket_bytes = int(bucket_mb * 2**20)
@@ -456,7 +459,8 @@ class Engine:
             x = x.to(ex.stages[0].device, non_blocking=True)
         if ex.is_last:
             y = y.to(ex.stages[-1].device, non_blocking=True)
-        graph = self._graph
+        trace_path, self._trace_path = self._trace_path, None
+        graph = self._graph if trace_path is None else None  # a traced step runs eagerly
         if graph is not None:
             hyper = hyper_signature(self.optimizer)
             if not graph.replayable(x, y, hyper) and graph.due(x, y, hyper):
@@ -466,7 +470,9 @@ class Engine:
                 self.steps += 1
                 return loss
             graph.note_eager(x, y, hyper)
-        timer = StepTimer(len(ex.stages)) if 1 <= self.steps <= self.measure_steps else None
+        measuring = 1 <= self.steps <= self.measure_steps
+        clock = Clock(ex.devices) if trace_path is not None else None
+        timer = StepTimer(len(ex.stages), clock) if measuring or clock is not None else None
         self._zero_grads()
         assert self._snapshot is not None
         self._snapshot.save()
@@ -486,11 +492,42 @@ class Engine:
         except BaseException:
             self._recover()
             raise
+        marks = [(d, clock.mark(current_lane(d))) for d in ex.devices] if clock is not None else []
         self._update()
+        if clock is not None:
+            assert timer is not None and trace_path is not None
+            updates = [(d, m, clock.mark(current_lane(d))) for d, m in marks]
+            self._write_trace(trace_path, clock, timer, updates)
         self.steps += 1
-        if timer is not None:
+        if timer is not None and measuring:
             self._timers.append(timer)
         return loss
+
+    def trace(self, path: str | os.PathLike) -> None:
+        """Record the next :meth:`train_step` and write it to ``path`` as a Chrome/Perfetto trace.
+
+        One lane per stage stream with a span per microbatch forward and backward,
+        one per gradient-sync stream (under torch.distributed) and the optimizer:
+        bubbles and overlap become visible. That step is an ordinary training step,
+        run eagerly (a captured CUDA graph would hide its inside). Under
+        torch.distributed each rank writes ``<stem>.rank<r><suffix>``.
+        """
+        path = os.fspath(path)
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise ValueError(f"cannot write a trace to {path}: the directory {folder} does not exist; create it first")
+        if self.layout is not None and self.layout.world > 1:
+            stem, suffix = os.path.splitext(path)
+            path = f"{stem}.rank{self.layout.rank}{suffix}"
+        self._trace_path = path
+
+    def _write_trace(self, path: str, clock: Clock, timer: StepTimer, updates: list[tuple[torch.device, Any, Any]]) -> None:
+        assert self.executor is not None
+        where = self.layout.describe() if self.layout is not None else "single process"
+        meta = {"step": self.steps, "microbatches": self.microbatches, "schedule": self.schedule, "where": where,
+                "plan": str(self._plan)}
+        spans = step_spans(self.executor.stages, clock, timer, self._sync, updates)
+        write_trace(path, spans, process=f"pipedp ({where})", metadata=meta)
 
     def _forward_backward(self, x: torch.Tensor, y: torch.Tensor, timer: StepTimer | None = None) -> Any:
         assert self.executor is not None and self.loss_fn is not None

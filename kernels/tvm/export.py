@@ -44,8 +44,12 @@ def export(db: str, target: Target) -> dict[str, Any] | None:
         return None
     mod = tvm.IRModule()
     symbols: dict[str, str] = {}
+    timings: dict[str, dict[str, float | None]] = {}
     for r in sorted(chosen, key=lambda r: rec.problem_key(r["op"], r["problem"], key, r.get("layout", "NCHW"))):
-        pk = rec.problem_key(r["op"], r["problem"], key, r.get("layout", "NCHW"))
+        layout = r.get("layout", "NCHW")
+        pk = rec.problem_key(r["op"], r["problem"], key, layout)
+        # torch in the same layout is what the layer runs without this kernel
+        timings[pk] = {"us": r["us"], "torch_us": (r.get("torch_us") or {}).get(layout.lower())}
         sym = "pipedp_dw_" + hashlib.sha1(pk.encode()).hexdigest()[:16]
         conv = DepthwiseConv.from_key(r["problem"])
         mod[sym] = schedule(conv, r["op"], r["config"], target, symbol=sym).mod[sym]
@@ -63,7 +67,7 @@ def export(db: str, target: Target) -> dict[str, Any] | None:
             os.unlink(tmp)
         raise
     record = {
-        "kind": "export", "target": key, "library": name, "sha256": digest, "kernels": symbols,
+        "kind": "export", "target": key, "library": name, "sha256": digest, "kernels": symbols, "timings": timings,
         "cpu_flags": sorted(f for f in cpu_flags() if f.startswith(("avx", "fma", "sse4")))
         if target.kind.name != "cuda" else [], "versions": versions(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),

@@ -88,16 +88,30 @@ class KernelLibrary:
         tvm_ffi = _load_runtime(self.target.startswith("cuda"))
         self.module = tvm_ffi.load_module(self.path)
         self.kernels: dict[str, str] = dict(export["kernels"])
+        self.timings: dict[str, dict[str, Any]] = dict(export.get("timings") or {})
+        self.faster_only = False  # kernels="auto": only kernels that beat torch when they were tuned
         self._funcs: dict[str, Callable[..., Any]] = {}
 
     def find(self, op: str, problem: DepthwiseConv, layout: str = "NCHW") -> Callable[..., Any] | None:
-        """The kernel for ``op`` on ``problem`` with ``layout`` activations, or None if it was not tuned."""
-        sym = self.kernels.get(rec.problem_key(op, problem.key(), self.target, layout))
-        if sym is None:
+        """The kernel for ``op`` on ``problem`` with ``layout`` activations, or None (torch runs it).
+
+        With ``faster_only`` a kernel whose tuning measured it no faster than
+        torch in the same layout is passed over too.
+        """
+        pk = rec.problem_key(op, problem.key(), self.target, layout)
+        sym = self.kernels.get(pk)
+        if sym is None or (self.faster_only and not self.beats_torch(pk)):
             return None
         if sym not in self._funcs:
             self._funcs[sym] = self.module[sym]
         return self._funcs[sym]
+
+
+    def beats_torch(self, problem_key: str) -> bool:
+        """Whether the tuned kernel measured faster than torch in its layout (True when not recorded)."""
+        t = self.timings.get(problem_key) or {}
+        us, base = t.get("us"), t.get("torch_us")
+        return not (isinstance(us, (int, float)) and isinstance(base, (int, float))) or us < base
 
 
 def load_library(db: str, device: torch.device) -> KernelLibrary | None:

@@ -4,7 +4,9 @@ A layer keeps its object, parameters and state_dict keys; only its class
 becomes :class:`TunedDepthwiseConv2d` (an ``nn.Conv2d`` whose forward calls
 ``pipedp.ops.depthwise_conv2d``). ``kernels="auto"`` swaps every depthwise
 layer and lets each call fall back to torch where no kernel was tuned for its
-exact shape; ``"tvm"`` makes a missing kernel an error that names the
+exact shape, or where the tuned kernel measured slower than torch in the same
+layout (forward, grad-input and grad-weight are chosen separately); ``"tvm"``
+uses every tuned kernel and makes a missing one an error that names the
 command to run; ``"torch"`` swaps nothing.
 """
 
@@ -79,6 +81,7 @@ def swap_depthwise(model: nn.Module, mode: str, db: str | None, device: torch.de
                 f"--input-shape N,C,H,W --target {device.type} --db {db}` first, or wrap with kernels='auto'"
             )
         return 0
+    lib.faster_only = mode == "auto"
     for m in layers:
         m.__class__ = TunedDepthwiseConv2d
         m._strict = mode == "tvm"

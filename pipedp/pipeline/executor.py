@@ -23,6 +23,7 @@ from .schedule import Action, Schedule, forward_only
 from .simulate import simulate
 from .stage import Stage
 from .stream import Lane, current_lane, new_lane
+from .trace import Clock
 
 __all__ = ["Executor", "StepTimer"]
 
@@ -30,11 +31,16 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class StepTimer:
-    """Per-stage busy time of one step: CUDA timing events, or the host clock."""
+    """Per-stage busy time of one step: CUDA timing events, or the host clock.
 
-    def __init__(self, stages: int) -> None:
+    With a :class:`Clock` it also keeps every action's span, for a trace.
+    """
+
+    def __init__(self, stages: int, clock: Clock | None = None) -> None:
         self.host_ms = [0.0] * stages
-        self.events: list[tuple[int, "torch.cuda.Event", "torch.cuda.Event"]] = []
+        self.clock = clock
+        self.events: list[tuple[int, str, torch.device, "torch.cuda.Event", "torch.cuda.Event"]] = []
+        self.host_spans: list[tuple[int, str, float, float]] = []
         self._t0 = 0.0
         self._start: "torch.cuda.Event | None" = None
 
@@ -45,24 +51,36 @@ class StepTimer:
         else:
             self._t0 = time.perf_counter()
 
-    def end(self, stage: int, lane: Lane) -> None:
+    def end(self, stage: int, lane: Lane, label: str = "") -> None:
         if lane.is_cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record(lane.stream)
             assert self._start is not None
-            self.events.append((stage, self._start, end))
+            self.events.append((stage, label, lane.device, self._start, end))
         else:
-            self.host_ms[stage] += (time.perf_counter() - self._t0) * 1e3
+            t = time.perf_counter()
+            self.host_ms[stage] += (t - self._t0) * 1e3
+            if self.clock is not None:
+                self.host_spans.append((stage, label, self._t0, t))
 
     def ready(self) -> bool:
-        return all(e.query() for _, _, e in self.events)
+        return all(e[-1].query() for e in self.events)
 
     def stage_ms(self) -> list[float]:
         """Busy milliseconds per stage (waits for the events: call outside a step)."""
         out = list(self.host_ms)
-        for s, start, end in self.events:
+        for s, _, _, start, end in self.events:
             end.synchronize()
             out[s] += start.elapsed_time(end)
+        return out
+
+    def spans(self) -> list[tuple[int, str, float, float]]:
+        """(stage position, label, start ms, end ms) of every action, from the clock's origin."""
+        if self.clock is None:
+            raise RuntimeError("this timer has no clock: pass one to keep spans")
+        ms = self.clock.ms
+        out = [(s, label, ms(a), ms(b)) for s, label, a, b in self.host_spans]
+        out += [(s, label, ms(a, d), ms(b, d)) for s, label, d, a, b in self.events]
         return out
 
 
@@ -288,7 +306,7 @@ class _Step:
                 assert ex.transport is not None
                 ex.transport.send_activation(out, self._peer(s + 1), (s, self.keys[i]))
         if timer is not None:
-            timer.end(ex.pos[s], lane)
+            timer.end(ex.pos[s], lane, f"F{i}")
         self.fwd_ev[s][i] = lane.record()
 
     def backward(self, s: int, i: int) -> None:
@@ -329,5 +347,5 @@ class _Step:
         if s == 0:
             self.inputs[0][i] = None
         if timer is not None:
-            timer.end(ex.pos[s], lane)
+            timer.end(ex.pos[s], lane, f"B{i}")
         self.bwd_ev[s][i] = lane.record()

@@ -29,6 +29,7 @@ from torch import nn
 
 from ..distributed import DistributedError
 from .stream import Lane, current_lane, new_lane
+from .trace import Clock
 
 __all__ = ["GradSync", "SyncStats", "DEFAULT_BUCKET_BYTES"]
 
@@ -250,6 +251,19 @@ class GradSync:
         spans = [(b.issued, b.done[0] if b.done else self._wait_done) for b in self.buckets if b.work is not None]
         total, before = _union_ms(spans, self._wait_started)
         return SyncStats(len(self.buckets), total, before, (self._wait_done - self._wait_started) * 1e3)
+
+    def spans(self, clock: Clock) -> list[tuple[int, int, float, float]]:
+        """(stage, bucket bytes, start ms, end ms) of each all-reduce of the last step, from ``clock``'s origin."""
+        out = []
+        for b in self.buckets:
+            nbytes = b.flat.numel() * b.flat.element_size()
+            if b.events is not None:
+                start, end = b.events
+                out.append((b.stage, nbytes, clock.ms(start, b.flat.device), clock.ms(end, b.flat.device)))
+            elif b.work is not None:
+                done = b.done[0] if b.done else self._wait_done
+                out.append((b.stage, nbytes, clock.ms(b.issued), clock.ms(done)))
+        return out
 
     def _failure(self, what: str, cause: BaseException) -> str:
         return (

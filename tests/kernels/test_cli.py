@@ -114,3 +114,35 @@ def test_find_depthwise_dedupes_and_bad_arguments():
         cli.main(["--model", "nope", "--input-shape", "2,3,32,32"])
     with pytest.raises(SystemExit, match="come in nchw,nhwc"):
         cli.main(["--model", "mobilenet_v2", "--input-shape", "2,3,32,32", "--layouts", "nchwc"])
+
+
+def test_auto_takes_a_kernel_only_where_it_beat_torch_in_its_layout(tuned):
+    import torch
+    from torch import nn
+
+    from kernels.tvm.problem import DepthwiseConv
+    from pipedp.ops.depthwise import active_library
+    from pipedp.ops.swap import swap_depthwise
+
+    _, db = tuned
+    cpu = torch.device("cpu")
+    conv = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+    swap_depthwise(nn.Sequential(conv), "auto", str(db), cpu)
+    lib = active_library(cpu)
+    assert lib is not None and lib.faster_only and set(lib.timings) == set(lib.kernels)
+    best = R.best(R.read(db / R.RECORDS_FILE)).values()
+    for r in best:
+        pk = R.problem_key(r["op"], r["problem"], lib.target, r["layout"])
+        t = lib.timings[pk]
+        assert t["us"] == r["us"] and t["torch_us"] == r["torch_us"][r["layout"].lower()]
+        args = (r["op"], DepthwiseConv.from_key(r["problem"]), r["layout"])
+        assert (lib.find(*args) is not None) == (t["us"] < t["torch_us"])
+        lib.timings[pk] = {"us": 0.5, "torch_us": 1.0}  # a winner is taken ...
+        assert lib.find(*args) is not None
+        lib.timings[pk] = {"us": 2.0, "torch_us": 1.0}  # ... a loser is not, unless kernels="tvm"
+        assert lib.find(*args) is None
+        lib.faster_only = False
+        assert lib.find(*args) is not None
+        lib.faster_only = True
+    swap_depthwise(nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, groups=8)), "tvm", str(db), cpu)
+    assert not active_library(cpu).faster_only

@@ -1,0 +1,277 @@
+"""reproduce-paper: the paper's experiment, plain PyTorch training vs ``pipedp.wrap``, end to end.
+
+For each model, two runs start from the same initial weights and see the very
+same batches (same shuffle, same augmentation): plain PyTorch training and the
+same model wrapped by pipedp. They are timed in alternating windows of steps
+(plain-pipedp, then pipedp-plain, ...) so both see the same machine state.
+Per epoch each run records training time, images/s, peak device memory (CUDA),
+mean training loss and test accuracy. ``--out`` gets results.json, table.md
+(laid out like the paper's table, its speedups beside ours), speedup.png and
+accuracy.png.
+
+    reproduce-paper --quick                                      # offline digits, 2 CPU cores, minutes
+    reproduce-paper --models resnet18,resnet34,resnet50 --dataset cifar10 --data-root ~/data --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+import pipedp
+from experiments import data as D
+from experiments.machine import describe, sync
+from experiments.models import MODELS, paper_model
+from experiments.paper_report import write_outputs
+from experiments.report import write_json
+
+__all__ = ["main", "run_model"]
+
+QUICK = {"epochs": 1, "train": 512, "test": 256, "batch_size": 64}
+
+
+@dataclass
+class Run:
+    """One of the two trainings of a model: how it steps, predicts and switches mode."""
+
+    name: str
+    step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    predict: Callable[[torch.Tensor], torch.Tensor]
+    mode: Callable[[bool], Any]
+    scheduler: Any
+    epochs: list[dict[str, Any]] = field(default_factory=list)
+    time_s: float = 0.0
+    peak: int = 0
+    loss_sum: Any = 0.0
+    steps: int = 0
+
+
+def _optimizer(model: nn.Module, lr: float, epochs: int) -> tuple[torch.optim.Optimizer, Any]:
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=5e-4)
+    return opt, torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(epochs, 1))
+
+
+def _plain(model: nn.Module, lr: float, epochs: int) -> Run:
+    opt, sched = _optimizer(model, lr, epochs)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    @torch.no_grad()
+    def predict(x: torch.Tensor) -> torch.Tensor:
+        return model(x)
+
+    return Run("plain", step, predict, model.train, sched)
+
+
+def _pipedp(model: nn.Module, lr: float, epochs: int, args: argparse.Namespace, sample: tuple[int, ...]) -> tuple[Run, Any]:
+    opt, sched = _optimizer(model, lr, epochs)
+    engine = pipedp.wrap(model, optimizer=opt, loss_fn=nn.CrossEntropyLoss(), microbatches=args.microbatches,
+                         stages=args.stages, schedule=args.schedule, kernels=args.kernels, sample=sample,
+                         progress=False)
+    return Run("pipedp", engine.train_step, engine, engine.train, sched), engine
+
+
+def _windows(batches: Any, size: int) -> Any:
+    chunk: list = []
+    for b in batches:
+        chunk.append(b)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _timed_window(run: Run, batches: list, device: torch.device, bar: Any) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    sync(device)
+    t0 = time.perf_counter()
+    for x, y in pipedp.data.prefetch(batches, device):
+        run.loss_sum = run.loss_sum + run.step(x, y)
+        run.steps += 1
+        if bar is not None:
+            bar.update(1)
+    sync(device)
+    run.time_s += time.perf_counter() - t0
+    if device.type == "cuda":
+        run.peak = max(run.peak, torch.cuda.max_memory_allocated(device))
+
+
+@torch.no_grad()
+def _accuracy(run: Run, test: D.Batches, device: torch.device) -> float:
+    run.mode(False)
+    correct = total = 0
+    for x, y in test.epoch():
+        pred = run.predict(x.to(device)).argmax(1).cpu()
+        correct += int((pred == y).sum())
+        total += len(y)
+    run.mode(True)
+    return 100.0 * correct / max(total, 1)
+
+
+def run_model(name: str, ds: D.Dataset, args: argparse.Namespace, device: torch.device,
+              trace: str | None = None) -> dict[str, Any]:
+    """Train ``name`` on ``ds`` twice (plain, pipedp) side by side; the per-epoch record of both."""
+    from tqdm import tqdm
+
+    mean, std = ds.stats()
+    train = D.Batches(ds.train_x, ds.train_y, args.batch_size, mean=mean, std=std, train=True, flip=ds.flip,
+                      seed=args.seed)
+    test = D.Batches(ds.test_x, ds.test_y, args.batch_size, mean=mean, std=std, train=False)
+    torch.manual_seed(args.seed)
+    model = paper_model(name, ds.classes, ds.image_size, args.width).to(device)
+    twin = copy.deepcopy(model)
+    lr = args.lr * args.batch_size / 128
+    plain = _plain(model, lr, args.epochs)
+    t0 = time.perf_counter()
+    piped, engine = _pipedp(twin, lr, args.epochs, args, (args.batch_size, 3, ds.image_size, ds.image_size))
+    setup_s = time.perf_counter() - t0
+    runs = (plain, piped)
+    for e in range(1, args.epochs + 1):
+        times = {r.name: r.time_s for r in runs}
+        steps = {r.name: r.steps for r in runs}
+        bar = tqdm(total=2 * len(train), desc=f"{name} epoch {e}/{args.epochs}", unit="step", leave=False,
+                   disable=not args.progress)
+        traced_window = min(1, (len(train) - 1) // args.window)  # the second window: past warm-up
+        for w, window in enumerate(_windows(train.epoch(e), args.window)):
+            if device.type == "cuda":  # page-locked, so the prefetcher's copies overlap the steps
+                window = [(x.pin_memory(), y.pin_memory()) for x, y in window]
+            if trace and e == 1 and w == traced_window:
+                engine.trace(trace)
+            for run in runs if w % 2 == 0 else runs[::-1]:
+                _timed_window(run, window, device, bar)
+        bar.close()
+        for run in runs:
+            run.scheduler.step()
+            dt, n = run.time_s - times[run.name], run.steps - steps[run.name]
+            loss = float(run.loss_sum) / max(run.steps, 1) if run.steps else math.nan
+            run.loss_sum, run.steps = 0.0, 0
+            run.epochs.append({
+                "epoch": e, "time_s": dt, "images_per_s": n * args.batch_size / dt if dt > 0 else None,
+                "train_loss": loss, "test_acc": _accuracy(run, test, device),
+                "peak_mem_mb": run.peak / 2**20 if device.type == "cuda" else None,
+            })
+        a, b = plain.epochs[-1], piped.epochs[-1]
+        print(f"{name} epoch {e}: plain {a['time_s']:.1f} s acc {a['test_acc']:.2f}%  |  pipedp {b['time_s']:.1f} s "
+              f"acc {b['test_acc']:.2f}%  |  speedup {a['time_s'] / b['time_s']:.2f}x", flush=True)
+    plan = engine.plan
+    out: dict[str, Any] = {"model": name, "dataset": ds.name, "image_size": ds.image_size,
+                           "params": sum(p.numel() for p in model.parameters()), "setup_s": setup_s,
+                           "plan": str(plan), "plan_summary": _plan_summary(plan)}
+    for run in runs:
+        out[run.name] = {"epochs": run.epochs, "time_s": run.time_s, "final_acc": run.epochs[-1]["test_acc"],
+                         "peak_mem_mb": run.peak / 2**20 if device.type == "cuda" else None}
+    out["speedup"] = plain.time_s / piped.time_s
+    return out
+
+
+def _plan_summary(plan: Any) -> str:
+    counts = [len(s.blocks) for s in plan.stages]
+    return f"{len(counts)} stage(s) of {'+'.join(map(str, counts))} blocks, {plan.microbatches} microbatches"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="reproduce-paper", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default=None, help="comma list of " + ", ".join(MODELS) +
+                   " (default resnet18,resnet34,resnet50; resnet18 with --quick)")
+    p.add_argument("--dataset", default="digits", choices=D.DATASETS)
+    p.add_argument("--data-root", default=None, help="folder holding cifar-10-batches-py, cifar-100-python or "
+                   "101_ObjectCategories (never downloaded)")
+    p.add_argument("--epochs", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=None, help="default 128 (64 with --quick)")
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--stages", default="auto", help="'auto' or a number of stages")
+    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    p.add_argument("--kernels", default="auto", choices=["auto", "torch", "tvm"])
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    p.add_argument("--lr", type=float, default=0.1, help="SGD learning rate at batch 128 (scaled linearly)")
+    p.add_argument("--width", type=int, default=64, help="ResNet base width (64: the standard models)")
+    p.add_argument("--image-size", type=int, default=None, help="digits/synthetic image size (default 32)")
+    p.add_argument("--train-images", type=int, default=None, help="use the first N training images")
+    p.add_argument("--test-images", type=int, default=None, help="use the first N test images")
+    p.add_argument("--window", type=int, default=4, help="steps per alternating timing window")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true",
+                   help=f"a few minutes on 2 CPU cores: {QUICK['epochs']} epoch on {QUICK['train']} images, batch "
+                        f"{QUICK['batch_size']}")
+    p.add_argument("--trace", default=None, help="write one pipelined step as a Chrome/Perfetto trace (JSON)")
+    p.add_argument("--out", default="reproduce-out")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    return p
+
+
+def _resolve(args: argparse.Namespace) -> argparse.Namespace:
+    models = args.models or ("resnet18" if args.quick else "resnet18,resnet34,resnet50")
+    args.model_list = [m.strip() for m in models.split(",") if m.strip()]
+    bad = [m for m in args.model_list if m not in MODELS]
+    if bad or not args.model_list:
+        raise SystemExit(f"reproduce-paper: unknown model(s) {bad}: choose from {', '.join(MODELS)}")
+    if args.quick:
+        args.epochs = args.epochs or QUICK["epochs"]
+        args.batch_size = args.batch_size or QUICK["batch_size"]
+        args.train_images = args.train_images or QUICK["train"]
+        args.test_images = args.test_images or QUICK["test"]
+    args.epochs = args.epochs or 10
+    args.batch_size = args.batch_size or 128
+    if args.stages != "auto":
+        try:
+            args.stages = int(args.stages)
+        except ValueError:
+            raise SystemExit(f"reproduce-paper: --stages must be 'auto' or an integer, got {args.stages!r}") from None
+    for k in ("epochs", "batch_size", "microbatches", "window", "width"):
+        if getattr(args, k) < 1:
+            raise SystemExit(f"reproduce-paper: --{k.replace('_', '-')} must be at least 1")
+    if args.batch_size < args.microbatches:
+        raise SystemExit(f"reproduce-paper: --batch-size {args.batch_size} is smaller than --microbatches "
+                         f"{args.microbatches}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = _resolve(_parser().parse_args(argv))
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("reproduce-paper: --device cuda but this torch build sees no GPU; use --device cpu")
+    try:
+        ds = D.load(args.dataset, args.data_root, image_size=args.image_size, seed=args.seed)
+    except (FileNotFoundError, ValueError, ImportError) as e:
+        raise SystemExit(f"reproduce-paper: {e}") from None
+    ds = ds.subset(args.train_images, args.test_images)
+    os.makedirs(args.out, exist_ok=True)
+    if args.trace:
+        os.makedirs(os.path.dirname(os.path.abspath(args.trace)), exist_ok=True)
+    settings = {k: v for k, v in vars(args).items() if k != "model_list"}
+    results: dict[str, Any] = {"benchmark": "reproduce_paper", "date": time.strftime("%Y-%m-%d"),
+                               "machine": describe(device), "args": settings, "runs": []}
+    print(f"reproduce-paper: {ds.name} ({len(ds.train_x)} train / {len(ds.test_x)} test images, {ds.classes} classes, "
+          f"{ds.image_size}x{ds.image_size}) on {results['machine'].get('gpu') or results['machine']['cpu']}", flush=True)
+    for name in args.model_list:
+        trace = None
+        if args.trace:
+            stem, suffix = os.path.splitext(args.trace)
+            trace = args.trace if len(args.model_list) == 1 else f"{stem}_{name}{suffix or '.json'}"
+        results["runs"].append(run_model(name, ds, args, device, trace))
+        write_json(os.path.join(args.out, "results.json"), results)  # a cut-off run keeps finished models
+    for path in [os.path.join(args.out, "results.json"), *write_outputs(results, args.out)]:
+        print(f"wrote {path}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
