@@ -6,8 +6,9 @@ neighbouring channels: the padding conditions then depend on (h, w) only and
 cost one scalar test per vector, not per element. Weights stay in torch's
 (out_channels, 1, kh, kw) layout (zero copy); a small ``wT`` stage
 transposes them to (kh, kw, out_channels) inside the kernel so that a vector
-of weights is one load. Grad-weight reduces into ``dwT`` (kh, kw, o) and
-writes torch's layout at the end.
+of weights is one load. Grad-input visits only the taps that reach each
+input pixel (polyphase for strides > 1, see :func:`_phases`). Grad-weight
+reduces into ``dwT`` (kh, kw, o) and writes torch's layout at the end.
 """
 
 from __future__ import annotations
@@ -64,7 +65,58 @@ def forward(conv: DepthwiseConv) -> list[te.Tensor]:
     return [x, w, y]
 
 
+def _phases(k: int, s: int, p: int, d: int, size: int, out: int) -> tuple[int, Any, Any, int, int]:
+    """One spatial axis of grad-input: taps per output, tap(i, t), dy index(i, t), and dy's padding.
+
+    x[i] receives dy[o] * w[r] wherever i = o*s - p + r*d. With stride 1 every
+    tap r = t is live: o = i + p - t*d. With stride s > 1 (dilation 1) only
+    the taps r = (i + p) mod s + t*s are (polyphase), ceil(k/s) of them per
+    output instead of k mostly-zero ones: o = (i + p) // s - t.
+    """
+    if s == 1:
+        taps, tap, row = k, (lambda i, t: t), (lambda i, t: i + p - t * d)
+        low, high = p - (k - 1) * d, size - 1 + p
+    else:
+        taps = -(-k // s)
+        tap, row = (lambda i, t: (i + p) % s + t * s), (lambda i, t: (i + p) // s - t)
+        low, high = p // s - (taps - 1), (size - 1 + p) // s
+    return taps, tap, row, max(0, -low), max(0, high - (out - 1))
+
+
 def grad_input(conv: DepthwiseConv) -> list[te.Tensor]:
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw), m = conv.kernel, conv.stride, conv.padding, conv.dilation, conv.multiplier
+    if (sh > 1 and dh > 1) or (sw > 1 and dw > 1):
+        return _grad_input_dilated(conv)
+    s = conv.shapes()
+    dy = te.placeholder(activation_shape(s["y"]), conv.dtype, name="dy")
+    w = te.placeholder(s["w"], conv.dtype, name="w")
+    wt = _weight_t(conv, w)
+    oh, ow = conv.out_hw
+    th, tap_h, row_h, top, bottom = _phases(kh, sh, ph, dh, conv.h, oh)
+    tw, tap_w, row_w, left, right = _phases(kw, sw, pw, dw, conv.w, ow)
+
+    def dy_at(n: Any, a: Any, b: Any, o: Any) -> Any:
+        inside = tirx.all(a >= top, a < top + oh, b >= left, b < left + ow)
+        return tirx.if_then_else(inside, dy[n, a - top, b - left, o], _zero(conv.dtype))
+
+    dy_pad = te.compute((conv.n, oh + top + bottom, ow + left + right, conv.out_channels), dy_at, name="dy_pad")
+    mm = te.reduce_axis((0, m), name="m")
+    t = te.reduce_axis((0, th), name="r")
+    u = te.reduce_axis((0, tw), name="s")
+
+    def body(n: Any, i: Any, j: Any, c: Any) -> Any:
+        r, q = tap_h(i, t), tap_w(j, u)
+        o = c * m + mm
+        term = dy_pad[n, row_h(i, t) + top, row_w(j, u) + left, o] * wt[tirx.min(r, kh - 1), tirx.min(q, kw - 1), o]
+        live = [cond for cond, stride, k in ((r < kh, sh, kh), (q < kw, sw, kw)) if stride > 1 and k % stride]
+        return tirx.if_then_else(tirx.all(*live), term, _zero(conv.dtype)) if live else term
+
+    dx = te.compute(activation_shape(s["x"]), lambda n, i, j, c: te.sum(body(n, i, j, c), axis=[mm, t, u]), name="dx")
+    return [dy, w, dx]
+
+
+def _grad_input_dilated(conv: DepthwiseConv) -> list[te.Tensor]:
+    """Stride and dilation on one axis: every tap over the zero-dilated gradient (rare in CNNs)."""
     s = conv.shapes()
     dy = te.placeholder(activation_shape(s["y"]), conv.dtype, name="dy")
     w = te.placeholder(s["w"], conv.dtype, name="w")

@@ -21,6 +21,9 @@ GRID = [
     DepthwiseConv(2, 3, 7, 7),                                               # padding 0
     DepthwiseConv(1, 2, 7, 7, kernel=7, padding=3),
     DepthwiseConv(1, 2, 5, 5, kernel=3, padding=3),                          # padding beyond the kernel
+    DepthwiseConv(1, 2, 9, 9, stride=2, dilation=2, padding=2),              # stride and dilation on one axis
+    DepthwiseConv(1, 2, 10, 9, kernel=4, stride=2, padding=1),               # taps divide evenly into phases
+    DepthwiseConv(1, 3, 11, 11, multiplier=2, kernel=5, stride=3, padding=2),  # stride 3
 ]
 CPU = torch.device("cpu")
 
