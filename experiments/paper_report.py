@@ -7,6 +7,7 @@ import warnings
 from typing import Any
 
 from experiments.report import write_text
+from pipedp.atomic import replace_atomically
 
 __all__ = ["PAPER_SPEEDUP", "table_markdown", "plot_speedup", "plot_accuracy", "write_outputs"]
 
@@ -110,10 +111,8 @@ def plot_accuracy(results: dict[str, Any], path: str) -> bool:
 
 
 def _save(fig: Any, path: str) -> None:
-    folder = os.path.dirname(path) or "."
-    tmp = os.path.join(folder, "." + os.path.basename(path) + ".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    os.replace(tmp, path)
+    with replace_atomically(path) as f:
+        fig.savefig(f, format="png", dpi=120)
 
 
 def write_outputs(results: dict[str, Any], out: str) -> list[str]:

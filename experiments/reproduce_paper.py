@@ -144,7 +144,6 @@ def run_model(name: str, ds: D.Dataset, args: argparse.Namespace, device: torch.
     runs = (plain, piped)
     for e in range(1, args.epochs + 1):
         times = {r.name: r.time_s for r in runs}
-        steps = {r.name: r.steps for r in runs}
         bar = tqdm(total=2 * len(train), desc=f"{name} epoch {e}/{args.epochs}", unit="step", leave=False,
                    disable=not args.progress)
         traced_window = min(1, (len(train) - 1) // args.window)  # the second window: past warm-up
@@ -158,8 +157,8 @@ def run_model(name: str, ds: D.Dataset, args: argparse.Namespace, device: torch.
         bar.close()
         for run in runs:
             run.scheduler.step()
-            dt, n = run.time_s - times[run.name], run.steps - steps[run.name]
-            loss = float(run.loss_sum) / max(run.steps, 1) if run.steps else math.nan
+            dt, n = run.time_s - times[run.name], run.steps  # loss_sum and steps count this epoch
+            loss = float(run.loss_sum) / n if n else math.nan
             run.loss_sum, run.steps = 0.0, 0
             run.epochs.append({
                 "epoch": e, "time_s": dt, "images_per_s": n * args.batch_size / dt if dt > 0 else None,

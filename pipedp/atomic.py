@@ -13,16 +13,22 @@ import os
 import tempfile
 from typing import IO, Iterator
 
-__all__ = ["replace_atomically", "write_text"]
+__all__ = ["require_folder", "replace_atomically", "write_text"]
+
+
+def require_folder(path: str | os.PathLike, what: str = "write") -> str:
+    """The folder ``path`` goes in; a clear error naming ``what`` failed when it does not exist."""
+    folder = os.path.dirname(os.path.abspath(os.fspath(path)))
+    if not os.path.isdir(folder):
+        raise ValueError(f"cannot {what} {os.fspath(path)}: the directory {folder} does not exist; create it first")
+    return folder
 
 
 @contextlib.contextmanager
 def replace_atomically(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
     """A file object whose contents replace ``path`` only when the block ends without an error."""
     path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise ValueError(f"cannot write {path}: the directory {folder} does not exist; create it first")
+    folder = require_folder(path)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
     try:
         os.chmod(tmp, _mode_for(path))  # mkstemp makes 0600: keep the old file's mode, or the umask's default

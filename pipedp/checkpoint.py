@@ -16,16 +16,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from .atomic import replace_atomically
+from .atomic import replace_atomically, require_folder
 
 __all__ = ["save", "load", "rng_state", "set_rng_state"]
 
 
 def save(obj: dict[str, Any], path: str | os.PathLike) -> None:
     """``torch.save(obj, path)``, atomically: the old file stays until the new one is complete."""
-    folder = os.path.dirname(os.path.abspath(os.fspath(path)))
-    if not os.path.isdir(folder):
-        raise ValueError(f"cannot save a checkpoint to {path}: the directory {folder} does not exist; create it first")
+    require_folder(path, "save a checkpoint to")
     with replace_atomically(path) as f:
         torch.save(obj, f)
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import checkpoint
+from .atomic import require_folder
 from .device import parse_device
 from .distributed import DEFAULT_TIMEOUT_S, DistributedError, Layout, check_backend, missing_note, resolve_layout
 from .ops.swap import swap_depthwise
@@ -513,9 +514,7 @@ class Engine:
         torch.distributed each rank writes ``<stem>.rank<r><suffix>``.
         """
         path = os.fspath(path)
-        folder = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(folder):
-            raise ValueError(f"cannot write a trace to {path}: the directory {folder} does not exist; create it first")
+        require_folder(path, "write a trace to")
         if self.layout is not None and self.layout.world > 1:
             stem, suffix = os.path.splitext(path)
             path = f"{stem}.rank{self.layout.rank}{suffix}"
