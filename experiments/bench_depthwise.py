@@ -6,10 +6,14 @@ problem and operator (forward, grad-input, grad-weight) our tuner searches
 ``--trials`` candidates per layout; torch runs the same problem in NCHW and in
 channels_last, and the better of the two is the baseline. Reported per
 kernel: µs of each, speedup over torch's best layout, and the fraction of the
-memory-bandwidth bound reached (the bytes the operator must move over the
-measured copy bandwidth). ``--metaschedule K`` also tunes the first K
-forward problems with TVM's MetaSchedule at the same trial budget and records
-both tuners' best-so-far curves.
+memory-bandwidth bound reached (a copy of the bytes the operator must move,
+see ``kernels/tvm/roofline.py``). Outputs are fresh tensors on every call on
+both sides, as in training; ``--allocator reuse`` (the default) keeps freed
+memory for reuse, as jemalloc/tcmalloc do, so a 50 MB output is not a fresh
+mapping faulted in page by page on every call (glibc's default above 32 MiB).
+``--metaschedule K`` also tunes the first K forward problems with TVM's
+MetaSchedule at the same trial budget and records both tuners' best-so-far
+curves, MetaSchedule's candidates re-timed with our harness.
 
     python -m experiments.bench_depthwise --target cpu --trials 32 --out experiments/results/depthwise_cpu.json
     python -m experiments.bench_depthwise --target cuda --trials 64 --metaschedule 3
@@ -28,11 +32,12 @@ from typing import Any
 
 import torch
 
-from experiments.machine import describe
+from experiments.machine import describe, reuse_freed_memory
 from experiments.report import write_json
 from experiments.models import mobilenet_v2
 from kernels.tvm import build as B
-from kernels.tvm.cli import _bandwidth_gbs, find_depthwise
+from kernels.tvm.cli import find_depthwise
+from kernels.tvm.roofline import bound_us
 from kernels.tvm.ops import OPS, DepthwiseConv, compute
 from kernels.tvm.tuner import tune
 
@@ -42,11 +47,13 @@ SETS = {
 }
 
 
-def problems(which: list[str], limit: int | None) -> list[tuple[str, DepthwiseConv]]:
+def problems(which: list[str], limit: int | None, batch: int | None = None) -> list[tuple[str, DepthwiseConv]]:
     out = []
     for name in which:
+        if name not in SETS:
+            raise SystemExit(f"--sets: unknown set {name!r}; choose from {','.join(SETS)}")
         make, shape = SETS[name]
-        found = find_depthwise(make(), shape)
+        found = find_depthwise(make(), (batch or shape[0], *shape[1:]))
         out += [(name, p) for p in found[:limit]]
     return out
 
@@ -57,29 +64,50 @@ def _ms_build(mod: Any, target: Any, _params: Any = None) -> Any:
     return tvm.compile(mod, target=target).mod
 
 
-def metaschedule_curve(conv: DepthwiseConv, op: str, layout: str, target: B.Target, trials: int) -> list[float]:
-    """MetaSchedule's best µs after each trial on the same compute, at the same budget (its own space and model)."""
+def metaschedule_curve(conv: DepthwiseConv, op: str, layout: str, target: B.Target, trials: int,
+                       device: torch.device) -> dict[str, list[float]]:
+    """MetaSchedule's best µs after each trial on the same compute, at the same budget (its own space and model).
+
+    ``own`` is what its runner measured (arguments allocated once); ``ours``
+    re-times every candidate it measured with our harness (a fresh output per
+    call, as torch's op and ours are timed), so the two tuners are compared
+    on one clock. Its runner processes get torch's thread count, as ours do.
+    """
     import tvm
-    from tvm import te
+    from tvm import s_tir, te
     from tvm.s_tir import meta_schedule as ms
 
     func = te.create_prim_func(compute(conv, op, layout)).with_attr("global_symbol", "main")
     if target.kind.name == "llvm":  # MetaSchedule's CPU rules need the core count in the target
         target = tvm.target.Target({**dict(target.export()), "num-cores": len(os.sched_getaffinity(0))})
-    with tempfile.TemporaryDirectory() as work:
-        db = ms.tune_tir(
-            mod=tvm.IRModule({"main": func}), target=target, work_dir=work, max_trials_global=trials,
-            num_trials_per_iter=8, builder=ms.builder.LocalBuilder(f_build=_ms_build, timeout_sec=120),
-            runner=ms.runner.LocalRunner(timeout_sec=120), seed=0,
-        )
-        runs = [r.run_secs for r in db.get_all_tuning_records()]
-    curve, best = [], math.inf
-    for secs in runs:
-        vals = [float(s) for s in secs or []]
+    saved = os.environ.get("TVM_NUM_THREADS")
+    os.environ["TVM_NUM_THREADS"] = str(torch.get_num_threads())
+    try:
+        with tempfile.TemporaryDirectory() as work:
+            db = ms.tune_tir(
+                mod=tvm.IRModule({"main": func}), target=target, work_dir=work, max_trials_global=trials,
+                num_trials_per_iter=8, builder=ms.builder.LocalBuilder(f_build=_ms_build, timeout_sec=120),
+                runner=ms.runner.LocalRunner(timeout_sec=120), seed=0,
+            )
+            records = list(db.get_all_tuning_records())
+    finally:
+        if saved is None:
+            os.environ.pop("TVM_NUM_THREADS", None)
+        else:
+            os.environ["TVM_NUM_THREADS"] = saved
+    own, ours, best_own, best_ours = [], [], math.inf, math.inf
+    for rec in records:
+        vals = [float(s) for s in rec.run_secs or []]
         if vals and all(v < 1e9 for v in vals):
-            best = min(best, statistics.fmean(vals) * 1e6)
-        curve.append(best)
-    return curve
+            best_own = min(best_own, statistics.fmean(vals) * 1e6)
+            sch = s_tir.Schedule(rec.workload.mod)
+            rec.trace.apply_to_schedule(sch, remove_postproc=False)
+            kernel = B.runnable(B.compile_module(sch.mod, target), "main", target)
+            B.check(kernel, conv, op, device, layout)
+            best_ours = min(best_ours, B.measure_us(kernel, conv, op, device, layout=layout))
+        own.append(best_own)
+        ours.append(best_ours)
+    return {"own": own, "ours": ours}
 
 
 def _geomean(values: list[float]) -> float | None:
@@ -87,7 +115,7 @@ def _geomean(values: list[float]) -> float | None:
 
 
 def bench_kernel(set_name: str, prob: DepthwiseConv, op: str, layouts: list[str], target: B.Target,
-                 device: torch.device, trials: int, gbs: float) -> dict[str, Any]:
+                 device: torch.device, trials: int) -> dict[str, Any]:
     """Tune ``op`` on ``prob`` in every layout; torch in both layouts, measured right after, is the baseline."""
     t0 = time.time()
     tuned = {layout: tune(prob, op, target, device, trials=trials, layout=layout) for layout in layouts}
@@ -96,14 +124,15 @@ def bench_kernel(set_name: str, prob: DepthwiseConv, op: str, layouts: list[str]
     best_layout = min(ours, key=ours.get) if ours else None
     best = ours.get(best_layout, math.nan) if best_layout else math.nan
     torch_best = min(base.values())
-    bound_us = prob.min_bytes(op) / (gbs * 1e9) * 1e6
+    bound = bound_us(prob, op, device)
     return {
         "set": set_name, "problem": prob.key(), "op": op, "us": ours.get(best_layout), "layout": best_layout,
         "us_by_layout": ours, "config": tuned[best_layout].best.config if best_layout else None,
         "torch_us": base, "speedup": torch_best / best if ours else None,
         # Same layout on both sides: what a model that keeps its memory format gains.
         "speedup_same_layout": {k: base[k.lower()] / v for k, v in ours.items()},
-        "bandwidth_fraction": bound_us / best if ours else None, "torch_bandwidth_fraction": bound_us / torch_best,
+        "bound_us": bound, "bandwidth_fraction": bound / best if ours else None,
+        "torch_bandwidth_fraction": bound / torch_best,
         "curves": {layout: r.best_so_far() for layout, r in tuned.items()}, "tune_s": time.time() - t0,
     }
 
@@ -113,10 +142,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--target", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--sets", default="32x32,224x224")
     p.add_argument("--limit", type=int, default=None, help="first N problems of each set")
+    p.add_argument("--batch", type=int, default=None, help="batch size instead of the set's (128 / 32)")
     p.add_argument("--ops", default=",".join(OPS))
     p.add_argument("--layouts", default="auto", help="nchw,nhwc (auto: every layout the target has)")
     p.add_argument("--trials", type=int, default=32, help="per kernel and layout")
     p.add_argument("--metaschedule", type=int, default=0, help="also tune the first K fwd problems with MetaSchedule")
+    p.add_argument("--allocator", choices=["reuse", "default"], default="reuse",
+                   help="reuse: freed memory is kept for the next call (as with jemalloc/tcmalloc), so large "
+                        "outputs do not pay page faults on every call; default: glibc as configured")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     device = torch.device("cuda" if args.target == "cuda" else "cpu")
@@ -126,14 +159,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         arch = f"sm_{major}{minor}"
     target = B.make_target(args.target, arch)
     layouts = list(B.layouts_for(target)) if args.layouts == "auto" else [v.upper() for v in args.layouts.split(",")]
-    gbs = _bandwidth_gbs(device)
+    if args.allocator == "reuse" and not reuse_freed_memory():
+        raise SystemExit("--allocator reuse needs glibc (mallopt); use --allocator default here")
     report: dict[str, Any] = {"benchmark": "bench_depthwise", "date": time.strftime("%Y-%m-%d"),
-                              "machine": describe(device), "copy_bandwidth_gbs": gbs, "settings": vars(args),
+                              "machine": describe(device), "settings": vars(args),
                               "rows": [], "metaschedule": []}
     rows = report["rows"]
-    for set_name, prob in problems(args.sets.split(","), args.limit):
+    for set_name, prob in problems(args.sets.split(","), args.limit, args.batch):
         for op in args.ops.split(","):
-            row = bench_kernel(set_name, prob, op, layouts, target, device, args.trials, gbs)
+            row = bench_kernel(set_name, prob, op, layouts, target, device, args.trials)
             rows.append(row)
             base = row["torch_us"]
             mine = "  ".join(f"{k} {v:9.1f}" for k, v in row["us_by_layout"].items())
@@ -143,18 +177,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if args.out:  # after every kernel, so a cut-off run keeps what it measured
                 write_json(args.out, report)
     ms_layout = layouts[-1]  # the layout our template is strongest in (NHWC on CPU)
-    for set_name, prob in problems(args.sets.split(","), args.limit)[: args.metaschedule]:
+    for set_name, prob in problems(args.sets.split(","), args.limit, args.batch)[: args.metaschedule]:
         ours = next(r for r in rows if r["problem"] == prob.key() and r["op"] == "fwd" and r["set"] == set_name)
         ours_curve = ours["curves"][ms_layout]
-        curve = metaschedule_curve(prob, "fwd", ms_layout, target, args.trials)
+        curves = metaschedule_curve(prob, "fwd", ms_layout, target, args.trials, device)
+        curve = curves["ours"]
         ms_best = min(curve) if curve else math.inf
         reach = next((i + 1 for i, v in enumerate(ours_curve) if v <= ms_best), None)
         report["metaschedule"].append({
             "set": set_name, "problem": prob.key(), "layout": ms_layout, "metaschedule_curve": curve,
-            "ours_curve": ours_curve, "metaschedule_best_us": ms_best, "ours_best_us": min(ours_curve),
-            "ours_trials_to_reach_it": reach})
-        print(f"MetaSchedule {set_name} C={prob.c} fwd {ms_layout}: best {ms_best:.1f} us in {len(curve)} trials; "
-              f"ours {min(ours_curve):.1f} us, reached MetaSchedule's best after {reach} trials", flush=True)
+            "metaschedule_curve_own_runner": curves["own"], "ours_curve": ours_curve,
+            "metaschedule_best_us": ms_best, "ours_best_us": min(ours_curve), "ours_trials_to_reach_it": reach})
+        print(f"MetaSchedule {set_name} C={prob.c} fwd {ms_layout}: best {ms_best:.1f} us in {len(curve)} trials "
+              f"(its runner: {min(curves['own'], default=math.inf):.1f} us); ours {min(ours_curve):.1f} us, "
+              f"reached MetaSchedule's best after {reach} trials", flush=True)
     summary: dict[str, Any] = {
         "kernels": len(rows),
         "geomean_speedup": _geomean([r["speedup"] for r in rows if r["speedup"]]),

@@ -7,7 +7,9 @@ import platform
 
 import torch
 
-__all__ = ["describe", "sync"]
+from kernels.tvm.allocator import reuse_freed_memory  # benchmarks measure as tune-kernels does
+
+__all__ = ["describe", "sync", "reuse_freed_memory"]
 
 
 def _cpu_name() -> str:

@@ -6,6 +6,8 @@ Only the compiler side uses this; the runtime side loads exported libraries.
 from __future__ import annotations
 
 import functools
+import os
+import tempfile
 import time
 from typing import Any, Callable
 
@@ -14,7 +16,7 @@ import torch.nn.functional as F
 import tvm
 from tvm import s_tir, te
 
-from . import cpu, cpu_nhwc, cuda
+from . import cpu, cpu_nhwc, cuda, parallel, threads
 from .offline_cuda import ensure_cuda_codegen
 from .layout import LAYOUTS, arrange, empty
 from .ops import DepthwiseConv, compute
@@ -22,7 +24,7 @@ from .space import Config, Space
 
 __all__ = [
     "Target", "make_target", "target_key", "template", "space", "schedule", "compile_module", "build",
-    "reference", "check", "measure_us", "torch_us", "layout_of", "layouts_for", "call",
+    "reference", "check", "measure_us", "torch_us", "layout_of", "layouts_for", "call", "runnable",
 ]
 
 Target = tvm.target.Target
@@ -94,7 +96,29 @@ def compile_module(mod: tvm.IRModule, target: Target) -> Any:
 
 def build(conv: DepthwiseConv, op: str, config: Config, target: Target) -> Any:
     """Compile one kernel; the result is callable with torch tensors (inputs..., output)."""
-    return compile_module(schedule(conv, op, config, target).mod, target)[default_symbol(op)]
+    return runnable(compile_module(schedule(conv, op, config, target).mod, target), default_symbol(op), target)
+
+
+def runnable(executable: Any, symbol: str, target: Target) -> Any:
+    """``symbol`` of a compiled module, run as training will run it.
+
+    A CPU kernel is written out as a shared library and loaded like an
+    export, so its parallel loops go to torch's OpenMP team (see
+    :mod:`.parallel`) when tuning measures it, as they will in training.
+    """
+    if target.kind.name == "cuda":
+        return executable[symbol]
+    import tvm_ffi
+
+    fd, path = tempfile.mkstemp(prefix="pipedp-kernel-", suffix=".so")
+    os.close(fd)
+    try:
+        executable.export_library(path)
+        module = tvm_ffi.load_module(path)
+        parallel.route(path)
+    finally:
+        os.unlink(path)  # the loaded copy stays mapped
+    return module[symbol]
 
 
 def _dtype(conv: DepthwiseConv) -> torch.dtype:
@@ -137,6 +161,8 @@ def _arrange(t: torch.Tensor, layout: str, activation: bool) -> torch.Tensor:
 def call(kernel: Any, op: str, layout: str, inputs: list[torch.Tensor], out_shape: tuple[int, ...]) -> torch.Tensor:
     """Run ``kernel`` on NCHW-shaped ``inputs`` as the runtime op does (a fresh output each call)."""
     out_act = _ACTIVATIONS[op][2]
+    if inputs[0].device.type == "cpu":
+        threads.match_torch()  # TVM's pool, where a kernel keeps it, as wide as torch's
     out = empty(out_shape, inputs[0], layout if out_act else "NCHW")
     kernel(inputs[0], inputs[1], _arrange(out, layout, out_act))
     return out

@@ -29,7 +29,9 @@ from torch import nn
 from . import build as B
 from . import export as E
 from . import records as R
+from .allocator import reuse_freed_memory
 from .problem import OPS, DepthwiseConv
+from .roofline import bound_us
 from .tuner import Measurement, TuneResult, tune
 
 __all__ = ["main", "find_depthwise", "load_model"]
@@ -86,23 +88,6 @@ def find_depthwise(model: nn.Module, shape: tuple[int, ...]) -> list[DepthwiseCo
     return found
 
 
-def _bandwidth_gbs(device: torch.device) -> float:
-    """Measured copy bandwidth (read + write) of a large tensor: the roofline for these memory-bound ops."""
-    x = torch.empty(64 << 20, dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    y.copy_(x)
-    best = math.inf
-    for _ in range(5):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        y.copy_(x)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * x.numel() / best / 1e9
-
-
 def _row(cells: list[str], widths: list[int]) -> str:
     return "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
 
@@ -120,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layouts", default="auto",
                    help="activation layouts to tune, nchw,nhwc (auto: every layout the target has a template for; "
                         "a channels_last model runs the nhwc kernels)")
+    p.add_argument("--allocator", choices=["reuse", "default"], default="reuse",
+                   help="reuse (default): freed memory is kept for reuse while measuring, as jemalloc/tcmalloc do, so "
+                        "large outputs do not page-fault on every call and rank candidates by noise")
     p.add_argument("--num-classes", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
@@ -159,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"{len(problems)} distinct depthwise convolution(s) x {len(ops)} op(s) x {'/'.join(layouts)} on {key}; "
           f"records in {records_path}")
+    if args.allocator == "reuse" and not reuse_freed_memory():
+        print("tune-kernels: not glibc; measuring with the allocator as it is", file=sys.stderr)
     from tqdm import tqdm
 
     bar = tqdm(total=len(problems) * len(ops) * len(layouts) * args.trials, disable=args.no_progress, unit="trial")
@@ -200,8 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         bar.close()
     exported = E.export(db, target)
-    gbs = _bandwidth_gbs(device)
-    _print_table(results, torch_us, gbs, key)
+    _print_table(results, torch_us, device, key)
     if exported:
         print(f"exported {len(exported['kernels'])} kernel(s) to {os.path.join(db, exported['library'])} "
               f"(sha256 {exported['sha256'][:16]}...)")
@@ -219,7 +208,7 @@ def _layouts(spec: str, target: B.Target) -> list[str]:
     return want
 
 
-def _print_table(results: list[TuneResult], torch_us: dict, gbs: float, key: str) -> None:
+def _print_table(results: list[TuneResult], torch_us: dict, device: torch.device, key: str) -> None:
     """One row per (problem, op): our best per layout, torch per layout, and best-vs-best speedup."""
     head = ["problem (N,C,H,W k/s/p x mult)", "op", "ours NCHW", "ours NHWC", "torch NCHW", "torch NHWC", "speedup",
             "bw bound us"]
@@ -229,7 +218,7 @@ def _print_table(results: list[TuneResult], torch_us: dict, gbs: float, key: str
     rows = []
     for (p, op), mine in ours.items():
         base = torch_us[(p, op)]
-        bound = p.min_bytes(op) / (gbs * 1e9) * 1e6
+        bound = bound_us(p, op, device)
         best = min((v for v in mine.values() if math.isfinite(v)), default=math.nan)
         rows.append([
             f"{p.n},{p.c},{p.h},{p.w} {p.kernel[0]}x{p.kernel[1]}/s{p.stride[0]}/p{p.padding[0]} x{p.multiplier}",
@@ -238,7 +227,8 @@ def _print_table(results: list[TuneResult], torch_us: dict, gbs: float, key: str
             f"{min(base.values()) / best:.2f}x" if math.isfinite(best) else "-", f"{bound:.1f}",
         ])
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-    print(f"\n{key}, copy bandwidth {gbs:.1f} GB/s; µs per call; speedup = torch's best layout / our best layout")
+    print(f"\n{key}; µs per call; speedup = torch's best layout / our best layout; bw bound = a copy of the "
+          f"operands' bytes on {device.type} ({'HBM' if device.type == 'cuda' else 'timed at their size'})")
     print(_row(head, widths))
     for row in rows:
         print(_row(row, widths))

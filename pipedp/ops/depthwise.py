@@ -21,6 +21,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from kernels.tvm import threads
 from kernels.tvm.layout import arrange, empty, layout_of_tensor
 from kernels.tvm.problem import DepthwiseConv
 
@@ -76,6 +77,8 @@ def _kernel(op: str, device: torch.device, x_shape, w_shape, stride, padding, di
     k = lib.find(op, p, layout)
     if k is None:
         log.debug("no tuned %s %s kernel for %s on %s: torch runs it", layout, op, p, device)
+    elif device.type == "cpu" and not lib.torch_team:
+        threads.match_torch()  # TVM's own pool: as wide as torch's, as when it was tuned
     return k
 
 

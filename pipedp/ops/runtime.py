@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 
+from kernels.tvm import parallel
 from kernels.tvm import records as rec
 from kernels.tvm.artifact import cpu_flags, sha256
 from kernels.tvm.problem import DepthwiseConv
@@ -87,6 +88,8 @@ class KernelLibrary:
             )
         tvm_ffi = _load_runtime(self.target.startswith("cuda"))
         self.module = tvm_ffi.load_module(self.path)
+        # CPU kernels' parallel loops on torch's OpenMP team (False: they keep TVM's pool)
+        self.torch_team = not self.target.startswith("cuda") and parallel.route(self.path)
         self.kernels: dict[str, str] = dict(export["kernels"])
         self.timings: dict[str, dict[str, Any]] = dict(export.get("timings") or {})
         self.faster_only = False  # kernels="auto": only kernels that beat torch when they were tuned

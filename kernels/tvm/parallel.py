@@ -1,0 +1,123 @@
+"""TVM kernels' parallel loops on torch's own OpenMP thread team.
+
+A compiled CPU kernel hands each parallel loop to ``TVMBackendParallelLaunch``
+through a function pointer in its library (``__TVMBackendParallelLaunch``),
+which the TVM runtime points at its own thread pool when the library loads.
+In a training step that pool and torch's OpenMP team then share the cores:
+each spins after its work while the other needs the core, and a MobileNetV2
+step was slower with the kernels (0.70x of plain torch on 2 vCPUs) although
+every kernel alone was faster. Here that pointer is aimed at a ten-line C
+launcher that runs the loop's tasks in an OpenMP parallel region of the
+libgomp torch already loaded, so kernels and torch ops use one team, sized by
+``torch.set_num_threads``.
+
+The launcher is compiled once per machine with the system C compiler into
+the per-user cache (written whole or not at all). Without a compiler, or with
+a torch not built on OpenMP, :func:`route` returns False and the kernel keeps
+TVM's pool (see :mod:`.threads`). Needs no TVM compiler.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+
+import torch
+
+__all__ = ["route", "launcher_address", "cache_folder"]
+
+log = logging.getLogger(__name__)
+
+# TVM's C ABI: int (*)(int task_id, TVMParallelGroupEnv* env, void* cdata); env = {sync_handle, num_task}.
+# A loop splits its iterations by env->num_task, so num_task must equal the threads that run it.
+_SOURCE = r"""
+#include <omp.h>
+#include <stdint.h>
+typedef struct { void* sync_handle; int32_t num_task; } pipedp_env;
+typedef int (*pipedp_lambda)(int task_id, pipedp_env* env, void* cdata);
+int pipedp_parallel_launch(pipedp_lambda f, void* cdata, int num_task) {
+  int n = num_task > 0 ? num_task : omp_get_max_threads();
+  if (n <= 1 || omp_in_parallel()) { pipedp_env env = {0, 1}; return f(0, &env, cdata); }
+  int failed = 0;
+  #pragma omp parallel num_threads(n) reduction(|:failed)
+  {
+    pipedp_env env = {0, omp_get_num_threads()};
+    failed |= f(omp_get_thread_num(), &env, cdata) != 0;
+  }
+  return failed ? -1 : 0;
+}
+"""
+_POINTER = "__TVMBackendParallelLaunch"
+_lock = threading.Lock()
+
+
+def cache_folder() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "pipedp")
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
+def _build(folder: str) -> str:
+    """The launcher library, compiled into ``folder`` unless it is already there."""
+    digest = hashlib.sha256(_SOURCE.encode()).hexdigest()[:16]
+    path = os.path.join(folder, f"omp-launch-{digest}.so")
+    if os.path.exists(path):
+        return path
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (set CC)")
+    os.makedirs(folder, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder) as work:
+        src, out = os.path.join(work, "launch.c"), os.path.join(work, "launch.so")
+        with open(src, "w") as f:
+            f.write(_SOURCE)
+        done = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-fopenmp", src, "-o", out],
+                              capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {done.stderr.strip()[:300]}")
+        os.replace(out, path)  # whole or not at all; a concurrent build writes the same bytes
+    return path
+
+
+@functools.lru_cache(maxsize=1)
+def launcher_address() -> int | None:
+    """Address of the OpenMP launcher, or None where it cannot run on torch's team (logged once)."""
+    if "OpenMP" not in torch.__config__.parallel_info().split("ATen parallel backend:")[-1]:
+        log.info("torch's parallel backend is not OpenMP: TVM kernels keep TVM's thread pool")
+        return None
+    try:
+        lib = ctypes.CDLL(_build(cache_folder()))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("TVM kernels keep TVM's thread pool (it contends with torch's): cannot build the OpenMP "
+                    "launcher: %s", e)
+        return None
+    return ctypes.cast(lib.pipedp_parallel_launch, ctypes.c_void_p).value
+
+
+def route(library_path: str) -> bool:
+    """Aim the parallel loops of the loaded kernel library at ``library_path`` at torch's OpenMP team.
+
+    Call after the TVM runtime loaded the library (it sets the pointer at
+    load). Returns False, changing nothing, where the launcher is unavailable
+    or the library has no parallel loops.
+    """
+    address = launcher_address()
+    if address is None:
+        return False
+    try:
+        pointer = ctypes.c_void_p.in_dll(ctypes.CDLL(library_path), _POINTER)
+    except (OSError, ValueError):
+        return False
+    with _lock:
+        pointer.value = address
+    return True
