@@ -94,6 +94,7 @@ class KernelLibrary:
         self.timings: dict[str, dict[str, Any]] = dict(export.get("timings") or {})
         self.faster_only = False  # kernels="auto": only kernels that beat torch when they were tuned
         self._funcs: dict[str, Callable[..., Any]] = {}
+        self.lookups: dict[tuple, Callable[..., Any] | None] = {}  # pipedp.ops.depthwise's per-signature answers
 
     def find(self, op: str, problem: DepthwiseConv, layout: str = "NCHW") -> Callable[..., Any] | None:
         """The kernel for ``op`` on ``problem`` with ``layout`` activations, or None (torch runs it).

@@ -66,3 +66,28 @@ def test_channels_last_stays_channels_last_through_forward_and_backward():
     F.conv2d(xr, wr, stride=2, padding=1, groups=8).sum().backward()
     assert x.grad.is_contiguous(memory_format=torch.channels_last)
     assert torch.allclose(x.grad, xr.grad, atol=1e-6) and torch.allclose(w.grad, wr.grad, atol=1e-5)
+
+
+def test_eager_path_and_the_registered_op_agree_with_gradients(monkeypatch):
+    from pipedp.ops import depthwise as D
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 4, 7, 6, generator=g).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(8, 1, 3, 3, generator=g)
+    dy = torch.randn(2, 8, 4, 3, generator=g)
+    results = []
+    for path in ("eager", "op"):
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        if path == "op":
+            y = D._fwd(xr, wr, [2, 2], [1, 1], [1, 1])  # the registered custom op (torch.compile's path)
+        else:
+            calls: list = []
+            monkeypatch.setattr(D, "_fwd", calls.append)  # must not be reached for plain tensors
+            y = depthwise_conv2d(xr, wr, None, 2, 1, 1)
+            monkeypatch.undo()
+            assert not calls
+        y.backward(dy)
+        results.append((y.detach(), xr.grad, wr.grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(results[0][0], F.conv2d(x, w, None, 2, 1, 1, 4), rtol=1e-5, atol=1e-5)
