@@ -29,12 +29,14 @@ import statistics
 import tempfile
 import time
 from typing import Any
+from unittest import mock
 
 import torch
 
-from experiments.machine import describe, reuse_freed_memory
+from experiments.machine import describe
 from experiments.report import write_json
 from experiments.models import mobilenet_v2
+from kernels.tvm import allocator
 from kernels.tvm import build as B
 from kernels.tvm.cli import find_depthwise
 from kernels.tvm.roofline import bound_us
@@ -80,21 +82,14 @@ def metaschedule_curve(conv: DepthwiseConv, op: str, layout: str, target: B.Targ
     func = te.create_prim_func(compute(conv, op, layout)).with_attr("global_symbol", "main")
     if target.kind.name == "llvm":  # MetaSchedule's CPU rules need the core count in the target
         target = tvm.target.Target({**dict(target.export()), "num-cores": len(os.sched_getaffinity(0))})
-    saved = os.environ.get("TVM_NUM_THREADS")
-    os.environ["TVM_NUM_THREADS"] = str(torch.get_num_threads())
-    try:
-        with tempfile.TemporaryDirectory() as work:
-            db = ms.tune_tir(
-                mod=tvm.IRModule({"main": func}), target=target, work_dir=work, max_trials_global=trials,
-                num_trials_per_iter=8, builder=ms.builder.LocalBuilder(f_build=_ms_build, timeout_sec=120),
-                runner=ms.runner.LocalRunner(timeout_sec=120), seed=0,
-            )
-            records = list(db.get_all_tuning_records())
-    finally:
-        if saved is None:
-            os.environ.pop("TVM_NUM_THREADS", None)
-        else:
-            os.environ["TVM_NUM_THREADS"] = saved
+    runner_env = {"TVM_NUM_THREADS": str(torch.get_num_threads())}  # its runner processes inherit it
+    with mock.patch.dict(os.environ, runner_env), tempfile.TemporaryDirectory() as work:
+        db = ms.tune_tir(
+            mod=tvm.IRModule({"main": func}), target=target, work_dir=work, max_trials_global=trials,
+            num_trials_per_iter=8, builder=ms.builder.LocalBuilder(f_build=_ms_build, timeout_sec=120),
+            runner=ms.runner.LocalRunner(timeout_sec=120), seed=0,
+        )
+        records = list(db.get_all_tuning_records())
     own, ours, best_own, best_ours = [], [], math.inf, math.inf
     for rec in records:
         vals = [float(s) for s in rec.run_secs or []]
@@ -147,9 +142,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--layouts", default="auto", help="nchw,nhwc (auto: every layout the target has)")
     p.add_argument("--trials", type=int, default=32, help="per kernel and layout")
     p.add_argument("--metaschedule", type=int, default=0, help="also tune the first K fwd problems with MetaSchedule")
-    p.add_argument("--allocator", choices=["reuse", "default"], default="reuse",
-                   help="reuse: freed memory is kept for the next call (as with jemalloc/tcmalloc), so large "
-                        "outputs do not pay page faults on every call; default: glibc as configured")
+    allocator.add_argument(p)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     device = torch.device("cuda" if args.target == "cuda" else "cpu")
@@ -159,13 +152,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         arch = f"sm_{major}{minor}"
     target = B.make_target(args.target, arch)
     layouts = list(B.layouts_for(target)) if args.layouts == "auto" else [v.upper() for v in args.layouts.split(",")]
-    if args.allocator == "reuse" and not reuse_freed_memory():
+    if not allocator.measure_with(args.allocator):
         raise SystemExit("--allocator reuse needs glibc (mallopt); use --allocator default here")
     report: dict[str, Any] = {"benchmark": "bench_depthwise", "date": time.strftime("%Y-%m-%d"),
                               "machine": describe(device), "settings": vars(args),
                               "rows": [], "metaschedule": []}
     rows = report["rows"]
-    for set_name, prob in problems(args.sets.split(","), args.limit, args.batch):
+    probs = problems(args.sets.split(","), args.limit, args.batch)
+    for set_name, prob in probs:
         for op in args.ops.split(","):
             row = bench_kernel(set_name, prob, op, layouts, target, device, args.trials)
             rows.append(row)
@@ -177,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if args.out:  # after every kernel, so a cut-off run keeps what it measured
                 write_json(args.out, report)
     ms_layout = layouts[-1]  # the layout our template is strongest in (NHWC on CPU)
-    for set_name, prob in problems(args.sets.split(","), args.limit, args.batch)[: args.metaschedule]:
+    for set_name, prob in probs[: args.metaschedule]:
         ours = next(r for r in rows if r["problem"] == prob.key() and r["op"] == "fwd" and r["set"] == set_name)
         ours_curve = ours["curves"][ms_layout]
         curves = metaschedule_curve(prob, "fwd", ms_layout, target, args.trials, device)

@@ -28,9 +28,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from experiments.machine import describe, reuse_freed_memory, sync
+from experiments.machine import describe, sync
 from experiments.report import write_json
-from kernels.tvm.cli import load_model
+from kernels.tvm import allocator
+from kernels.tvm.cli import load_model, parse_input_shape
 from pipedp.ops.depthwise import active_library
 from pipedp.ops.swap import TunedDepthwiseConv2d, swap_depthwise
 
@@ -91,20 +92,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--window", type=int, default=2, help="steps per window")
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--allocator", choices=["reuse", "default"], default="reuse",
-                   help="reuse: freed memory is kept for reuse, as jemalloc/tcmalloc do (see bench_depthwise)")
+    allocator.add_argument(p)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if min(args.windows, args.window, args.trials) < 1:
         raise SystemExit("bench_kernels_train: --windows, --window and --trials must be at least 1")
-    try:
-        shape = tuple(int(v) for v in args.input_shape.split(","))
-        assert len(shape) == 4 and min(shape) >= 1
-    except (ValueError, AssertionError):
-        raise SystemExit(f"bench_kernels_train: --input-shape {args.input_shape!r}: give N,C,H,W, "
-                         "e.g. 64,3,32,32") from None
+    shape = parse_input_shape(args.input_shape)
     device = torch.device(args.device)
-    if args.allocator == "reuse" and not reuse_freed_memory():
+    if not allocator.measure_with(args.allocator):
         raise SystemExit("bench_kernels_train: --allocator reuse needs glibc (mallopt); use --allocator default")
     if args.tune:
         from kernels.tvm import cli

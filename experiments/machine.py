@@ -7,9 +7,7 @@ import platform
 
 import torch
 
-from kernels.tvm.allocator import reuse_freed_memory  # benchmarks measure as tune-kernels does
-
-__all__ = ["describe", "sync", "reuse_freed_memory"]
+__all__ = ["describe", "sync"]
 
 
 def _cpu_name() -> str:

@@ -16,11 +16,12 @@ measuring; it is process-wide and lasting, so library code never calls it.
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import ctypes.util
 import platform
 
-__all__ = ["reuse_freed_memory"]
+__all__ = ["reuse_freed_memory", "add_argument", "measure_with"]
 
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's malloc.h
 
@@ -32,3 +33,16 @@ def reuse_freed_memory() -> bool:
         return False
     libc = ctypes.CDLL(name)
     return bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+
+
+def add_argument(parser: argparse.ArgumentParser) -> None:
+    """``--allocator reuse|default``, as tune-kernels and the benchmarks take it."""
+    parser.add_argument("--allocator", choices=["reuse", "default"], default="reuse",
+                        help="reuse (default): freed memory is kept for reuse while measuring, as jemalloc/tcmalloc "
+                             "do, so large outputs do not page-fault on every call and rank candidates by noise; "
+                             "default: glibc as configured")
+
+
+def measure_with(choice: str) -> bool:
+    """Apply ``--allocator``; False where ``reuse`` was asked for and there is no glibc to ask."""
+    return choice != "reuse" or reuse_freed_memory()

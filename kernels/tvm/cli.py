@@ -29,12 +29,12 @@ from torch import nn
 from . import build as B
 from . import export as E
 from . import records as R
-from .allocator import reuse_freed_memory
+from . import allocator
 from .problem import OPS, DepthwiseConv
 from .roofline import bound_us
 from .tuner import Measurement, TuneResult, tune
 
-__all__ = ["main", "find_depthwise", "load_model"]
+__all__ = ["main", "find_depthwise", "load_model", "parse_input_shape"]
 
 
 def load_model(spec: str, num_classes: int = 10) -> nn.Module:
@@ -88,6 +88,16 @@ def find_depthwise(model: nn.Module, shape: tuple[int, ...]) -> list[DepthwiseCo
     return found
 
 
+def parse_input_shape(text: str) -> tuple[int, ...]:
+    """``N,C,H,W`` as given to ``--input-shape`` (a clear exit for anything else)."""
+    try:
+        shape = tuple(int(v) for v in text.split(","))
+        assert len(shape) == 4 and min(shape) >= 1
+    except (ValueError, AssertionError):
+        raise SystemExit(f"--input-shape {text!r}: give N,C,H,W, e.g. 32,3,32,32") from None
+    return shape
+
+
 def _row(cells: list[str], widths: list[int]) -> str:
     return "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
 
@@ -105,9 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layouts", default="auto",
                    help="activation layouts to tune, nchw,nhwc (auto: every layout the target has a template for; "
                         "a channels_last model runs the nhwc kernels)")
-    p.add_argument("--allocator", choices=["reuse", "default"], default="reuse",
-                   help="reuse (default): freed memory is kept for reuse while measuring, as jemalloc/tcmalloc do, so "
-                        "large outputs do not page-fault on every call and rank candidates by noise")
+    allocator.add_argument(p)
     p.add_argument("--num-classes", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
@@ -115,11 +123,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from pipedp.ops.runtime import default_db
 
-    try:
-        shape = tuple(int(v) for v in args.input_shape.split(","))
-        assert len(shape) == 4
-    except (ValueError, AssertionError):
-        raise SystemExit(f"--input-shape {args.input_shape!r}: give N,C,H,W, e.g. 32,3,32,32") from None
+    shape = parse_input_shape(args.input_shape)
     ops = [o for o in args.ops.split(",") if o]
     bad = [o for o in ops if o not in OPS]
     if bad or not ops:
@@ -147,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"{len(problems)} distinct depthwise convolution(s) x {len(ops)} op(s) x {'/'.join(layouts)} on {key}; "
           f"records in {records_path}")
-    if args.allocator == "reuse" and not reuse_freed_memory():
+    if not allocator.measure_with(args.allocator):
         print("tune-kernels: not glibc; measuring with the allocator as it is", file=sys.stderr)
     from tqdm import tqdm
 

@@ -59,6 +59,7 @@ _lock = threading.Lock()
 
 
 def cache_folder() -> str:
+    """pipedp's per-user cache (``$XDG_CACHE_HOME/pipedp``): the launcher here, kernel databases below."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "pipedp")
 

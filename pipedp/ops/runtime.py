@@ -30,8 +30,7 @@ _loaded_runtime: set[str] = set()
 
 def default_db() -> str:
     """The per-user kernel database (``$XDG_CACHE_HOME/pipedp/kernels``)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "pipedp", "kernels")
+    return os.path.join(parallel.cache_folder(), "kernels")
 
 
 def runtime_folder() -> str:
@@ -109,7 +108,6 @@ class KernelLibrary:
         if sym not in self._funcs:
             self._funcs[sym] = self.module[sym]
         return self._funcs[sym]
-
 
     def beats_torch(self, problem_key: str) -> bool:
         """Whether the tuned kernel measured faster than torch in its layout (True when not recorded)."""
