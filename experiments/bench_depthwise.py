@@ -4,7 +4,10 @@ The problems are MobileNetV2's depthwise convolutions at 32x32 (batch 128,
 the CIFAR-style net) and 224x224 (batch 32, the ImageNet net). For each
 problem and operator (forward, grad-input, grad-weight) our tuner searches
 ``--trials`` candidates per layout; torch runs the same problem in NCHW and in
-channels_last, and the better of the two is the baseline. Reported per
+channels_last, and the better of the two is the baseline. The tuned kernels
+and torch are then timed side by side (``--rounds`` rounds, each timing
+every contender once in turn; medians), so a ratio never compares a tuner's
+luckiest timing with a baseline taken under another load. Reported per
 kernel: µs of each, speedup over torch's best layout, and the fraction of the
 memory-bandwidth bound reached (a copy of the bytes the operator must move,
 see ``kernels/tvm/roofline.py``). Outputs are fresh tensors on every call on
@@ -41,7 +44,7 @@ from kernels.tvm import build as B
 from kernels.tvm.cli import find_depthwise
 from kernels.tvm.roofline import bound_us
 from kernels.tvm.ops import OPS, DepthwiseConv, compute
-from kernels.tvm.tuner import tune
+from kernels.tvm.tuner import History, tune
 
 SETS = {
     "32x32": (lambda: mobilenet_v2(cifar=True), (128, 3, 32, 32)),
@@ -109,20 +112,46 @@ def _geomean(values: list[float]) -> float | None:
     return math.exp(statistics.fmean(math.log(v) for v in values)) if values else None
 
 
+def side_by_side(contenders: dict[str, Any], rounds: int) -> dict[str, float]:
+    """Median µs of each contender over ``rounds`` rounds in which each is timed once, in turn.
+
+    A tuner's best-so-far is the minimum of many noisy timings (biased low),
+    and on a shared machine a baseline timed minutes later may meet another
+    load; timing the chosen kernels and torch alternately gives a ratio both
+    sides of which saw the same machine.
+    """
+    times: dict[str, list[float]] = {k: [] for k in contenders}
+    for _ in range(rounds):
+        for name, timer in contenders.items():
+            times[name].append(timer())
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def bench_kernel(set_name: str, prob: DepthwiseConv, op: str, layouts: list[str], target: B.Target,
-                 device: torch.device, trials: int) -> dict[str, Any]:
-    """Tune ``op`` on ``prob`` in every layout; torch in both layouts, measured right after, is the baseline."""
+                 device: torch.device, trials: int, rounds: int = 3, history: History | None = None) -> dict[str, Any]:
+    """Tune ``op`` on ``prob`` in every layout, then time the best of each and torch in both layouts side by side."""
     t0 = time.time()
-    tuned = {layout: tune(prob, op, target, device, trials=trials, layout=layout) for layout in layouts}
-    base = {"nchw": B.torch_us(prob, op, device, False), "nhwc": B.torch_us(prob, op, device, True)}
-    ours = {layout: r.best.us for layout, r in tuned.items() if r.best}
+    tuned = {layout: tune(prob, op, target, device, trials=trials, layout=layout, history=history)
+             for layout in layouts}
+    best_cfg = {layout: r.best.config for layout, r in tuned.items() if r.best}
+    def ours(layout: str) -> Any:
+        kernel = B.build(prob, op, best_cfg[layout], target)
+        return lambda: B.measure_us(kernel, prob, op, device, layout=layout)
+
+    contenders: dict[str, Any] = {layout: ours(layout) for layout in best_cfg}
+    contenders["torch nchw"] = lambda: B.torch_us(prob, op, device, False)
+    contenders["torch nhwc"] = lambda: B.torch_us(prob, op, device, True)
+    timed = side_by_side(contenders, rounds)
+    base = {"nchw": timed["torch nchw"], "nhwc": timed["torch nhwc"]}
+    ours = {layout: timed[layout] for layout in best_cfg}
     best_layout = min(ours, key=ours.get) if ours else None
     best = ours.get(best_layout, math.nan) if best_layout else math.nan
     torch_best = min(base.values())
     bound = bound_us(prob, op, device)
     return {
         "set": set_name, "problem": prob.key(), "op": op, "us": ours.get(best_layout), "layout": best_layout,
-        "us_by_layout": ours, "config": tuned[best_layout].best.config if best_layout else None,
+        "us_by_layout": ours, "config": best_cfg.get(best_layout),
+        "tuned_us_by_layout": {layout: r.best.us for layout, r in tuned.items() if r.best},
         "torch_us": base, "speedup": torch_best / best if ours else None,
         # Same layout on both sides: what a model that keeps its memory format gains.
         "speedup_same_layout": {k: base[k.lower()] / v for k, v in ours.items()},
@@ -141,6 +170,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--ops", default=",".join(OPS))
     p.add_argument("--layouts", default="auto", help="nchw,nhwc (auto: every layout the target has)")
     p.add_argument("--trials", type=int, default=32, help="per kernel and layout")
+    p.add_argument("--rounds", type=int, default=3, help="side-by-side timing rounds of the tuned kernels and torch")
+    p.add_argument("--no-transfer", dest="transfer", action="store_false",
+                   help="tune every problem from scratch (default: the model carries over within a set, as in "
+                        "tune-kernels)")
     p.add_argument("--metaschedule", type=int, default=0, help="also tune the first K fwd problems with MetaSchedule")
     allocator.add_argument(p)
     p.add_argument("--out", default=None)
@@ -159,9 +192,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               "rows": [], "metaschedule": []}
     rows = report["rows"]
     probs = problems(args.sets.split(","), args.limit, args.batch)
+    histories: dict[str, History] = {}  # per set, as tune-kernels tunes one model
     for set_name, prob in probs:
         for op in args.ops.split(","):
-            row = bench_kernel(set_name, prob, op, layouts, target, device, args.trials)
+            history = histories.setdefault(set_name, History()) if args.transfer else None
+            row = bench_kernel(set_name, prob, op, layouts, target, device, args.trials, args.rounds, history)
             rows.append(row)
             base = row["torch_us"]
             mine = "  ".join(f"{k} {v:9.1f}" for k, v in row["us_by_layout"].items())

@@ -152,10 +152,10 @@ class Engine:
             with :class:`pipedp.DistributedError` (a peer died or hung).
         distributed: False trains this process on its own even when a process
             group exists (default: data parallel whenever one is initialised).
-        kernels: ``"auto"`` runs depthwise convolutions on a GPU with the tuned
-            TVM kernels exported by ``tune-kernels`` where one exists for the
+        kernels: ``"auto"`` runs depthwise convolutions with the tuned TVM
+            kernels exported by ``tune-kernels`` where one exists for the
             layer's shape and measured faster than torch (torch elsewhere, and
-            on a CPU, where they gained nothing in a training step: see
+            on a CPU where the kernels cannot share torch's OpenMP team: see
             ``pipedp.ops.swap``), ``"tvm"`` uses every tuned kernel and makes a
             missing one an error, ``"torch"`` never uses them.
         kernel_db: the ``tune-kernels --db`` folder (default: the per-user cache).

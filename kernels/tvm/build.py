@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import tvm
 from tvm import s_tir, te
 
-from . import cpu, cpu_nhwc, cuda, parallel, threads
+from . import cpu, cpu_nhwc, cuda, parallel, streaming, threads
 from .offline_cuda import ensure_cuda_codegen
 from .layout import LAYOUTS, arrange, empty
 from .ops import DepthwiseConv, compute
@@ -24,7 +24,7 @@ from .space import Config, Space
 
 __all__ = [
     "Target", "make_target", "target_key", "template", "space", "schedule", "compile_module", "build",
-    "reference", "check", "measure_us", "torch_us", "layout_of", "layouts_for", "call", "runnable",
+    "reference", "check", "measure_us", "torch_us", "layout_of", "layouts_for", "call", "runnable", "streamed",
 ]
 
 Target = tvm.target.Target
@@ -75,6 +75,7 @@ def schedule(conv: DepthwiseConv, op: str, config: Config, target: Target, symbo
     """The scheduled prim func (raises InvalidConfig before any compile work)."""
     layout = layout_of(config)
     tmpl = template(target, layout)
+    config = tmpl.space(conv, op).complete(config)
     tmpl.validate(conv, op, config)
     symbol = symbol or default_symbol(op)
     func = te.create_prim_func(compute(conv, op, layout)).with_attr("global_symbol", symbol)
@@ -87,16 +88,28 @@ def default_symbol(op: str) -> str:
     return f"depthwise_{op}"
 
 
-def compile_module(mod: tvm.IRModule, target: Target) -> Any:
+def streamed(op: str, config: Config) -> str | None:
+    """The output buffer a config writes with streaming stores (see :mod:`.streaming`), if it does."""
+    return {"fwd": "y", "dgrad": "dx"}.get(op) if config.get("stream") else None
+
+
+def compile_module(mod: tvm.IRModule, target: Target, streams: dict[str, str] | None = None) -> Any:
+    """Compile ``mod``; ``streams`` (symbol -> output buffer) get streaming output stores (CPU only)."""
     if target.kind.name == "cuda":
         ensure_cuda_codegen()
     with target:
-        return tvm.compile(mod, target=target)
+        lib = tvm.compile(mod, target=target)
+    if streams:
+        return streaming.compile_streaming(lib.mod, streams)
+    return lib
 
 
 def build(conv: DepthwiseConv, op: str, config: Config, target: Target) -> Any:
     """Compile one kernel; the result is callable with torch tensors (inputs..., output)."""
-    return runnable(compile_module(schedule(conv, op, config, target).mod, target), default_symbol(op), target)
+    symbol = default_symbol(op)
+    out = streamed(op, config)
+    lib = compile_module(schedule(conv, op, config, target).mod, target, {symbol: out} if out else None)
+    return runnable(lib, symbol, target)
 
 
 def runnable(executable: Any, symbol: str, target: Target) -> Any:

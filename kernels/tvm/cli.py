@@ -32,7 +32,7 @@ from . import records as R
 from . import allocator
 from .problem import OPS, DepthwiseConv
 from .roofline import bound_us
-from .tuner import Measurement, TuneResult, tune
+from .tuner import History, Measurement, TuneResult, tune
 
 __all__ = ["main", "find_depthwise", "load_model", "parse_input_shape"]
 
@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     results: list[TuneResult] = []
     versions = E.versions()
     interrupted = False
+    history = History()  # what each template's knobs did on the model's earlier shapes
     try:
         for prob in problems:
             for op in ops:
@@ -186,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                 for layout in layouts:
                     before = bar.n
                     results.append(tune(prob, op, target, device, trials=args.trials, batch=args.batch,
-                                        seed=args.seed, on_measure=on_measure, layout=layout))
+                                        seed=args.seed, on_measure=on_measure, layout=layout, history=history))
                     bar.update(args.trials - (bar.n - before))  # an early stop skips the rest
     except KeyboardInterrupt:
         interrupted = True

@@ -12,15 +12,27 @@ weights is one load too. Forward and grad-input share one template:
               c_inner (vec, vectorised)
 
 Padding is inlined: its test depends on (h, w) only, so it is one scalar
-branch per vector. Grad-weight keeps kh*kw accumulator vectors per channel
-block in registers while it streams over (n, h, w), and splits n into
-``nsplit`` partial sums (rfactor) for parallelism when there are few
-channel blocks:
+branch per vector. Outputs too large to stay in cache can be written with
+streaming stores (``stream``, with the tile accumulated locally so each
+output vector is stored once; see :mod:`.streaming`).
 
-    parallel  fuse(n_outer, c_outer)
-      n_inner, h, w
-        r, s (unrolled)
-          c_inner (vec, vectorised)                 -- dwT[r, s, c] += dy * x
+Grad-weight splits n into ``nsplit`` partial sums (rfactor) for parallelism
+and sweeps (n, h, w) in one of two orders:
+
+    order=channel                                order=pixel
+    parallel  fuse(n_outer, c_outer)             parallel  n_outer
+      n_inner, h, w_outer                          n_inner, h, w_outer
+        r, s (unrolled)                              c_outer, r, s (unrolled)
+          w_inner (tile_w, unrolled)                   w_inner (tile_w, unrolled)
+            c_inner (vec, vectorised)                    c_inner (vec, vectorised)
+
+    dwT[r, s, c] += dy * x; neighbouring taps of the w tile load an input vector once.
+
+With ``order=channel`` a channel block's kh*kw accumulators stay in
+registers, but a task reads one vector per pixel, ``c`` floats apart, and
+the prefetchers fetch its neighbours for nothing; with ``order=pixel`` a task
+reads every channel of ``tile_w`` pixels (contiguous) and keeps its
+kh*kw*c partial sums in L1.
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ import math
 
 from tvm import s_tir
 
+from . import streaming
 from .ops import DepthwiseConv
 from .space import Config, InvalidConfig, Knob, Space, divisors
 
@@ -48,24 +61,42 @@ def space(conv: DepthwiseConv, op: str) -> Space:
             Knob("vec", _vectors(conv.out_channels), "channels per vector"),
             Knob("nsplit", tuple(d for d in (1, 2, 4, 8, 16) if conv.n % d == 0), "parallel partial sums over n"),
             Knob("unroll", (1, 0), "unroll the kernel taps"),
+            Knob("tile_w", divisors(ow, 8), "output pixels whose taps share the input vectors they load", since=1),
+            Knob("order", ("channel", "pixel"), "a task sweeps the pixels for its channel block, or every channel "
+                 "of its pixels", since="channel"),
         ))
     width, channels = (ow, conv.out_channels) if op == "fwd" else (conv.w, conv.c)
-    return Space(f"cpu-nhwc-{op}", (
+    knobs = (
         layout,
         Knob("vec", _vectors(channels), "channels per vector"),
         Knob("tile_w", divisors(width, 8), "pixels per register tile"),
         Knob("task", ("row", "block"), "a parallel task is an output row, or a row x channel block"),
         Knob("cache", (1, 0), "accumulate the tile in a local buffer"),
         Knob("unroll", (1, 0), "unroll the kernel taps"),
-    ))
+    )
+    if _can_stream(conv, op):
+        knobs += (Knob("stream", (0, 1), "write the output with streaming stores (no read of the lines it fills)",
+                       since=0),)
+    return Space(f"cpu-nhwc-{op}", knobs)
+
+
+def _can_stream(conv: DepthwiseConv, op: str) -> bool:
+    """Streaming pays only for outputs that do not stay in cache anyway (see :mod:`.streaming`)."""
+    return streaming.available() and conv.output_bytes(op) >= streaming.MIN_BYTES
 
 
 def validate(conv: DepthwiseConv, op: str, config: Config) -> None:
     space(conv, op).check(config)
     if op != "wgrad" and config["tile_w"] * config["vec"] > 16 * 16:
         raise InvalidConfig(f"tile {config['tile_w']}x{config['vec']} is over 16 vector registers")
-    if op == "wgrad" and conv.kernel[0] * conv.kernel[1] * config["vec"] > 49 * 16:
+    if config.get("stream") and not (config["cache"] and config["vec"] >= 4):
+        raise InvalidConfig("stream=1 needs cache=1 and vec >= 4: each output vector is stored once, from the tile")
+    if op == "wgrad" and config["tile_w"] * config["vec"] > 8 * 16:
+        raise InvalidConfig(f"tile {config['tile_w']}x{config['vec']} and the taps' accumulators are over the registers")
+    if op == "wgrad" and config["order"] == "channel" and conv.kernel[0] * conv.kernel[1] * config["vec"] > 49 * 16:
         raise InvalidConfig(f"{conv.kernel} taps x {config['vec']} channels is over the register file")
+    if op == "wgrad" and config["order"] == "pixel" and config["nsplit"] < 2:
+        raise InvalidConfig("order=pixel parallelises over the n splits only: it needs nsplit >= 2")
 
 
 def apply(sch: s_tir.Schedule, conv: DepthwiseConv, op: str, config: Config) -> s_tir.Schedule:
@@ -115,17 +146,25 @@ def _wgrad(sch: s_tir.Schedule, conv: DepthwiseConv, cfg: Config) -> None:
         r, s, o, n1, i, j = sch.get_loops(blk)
         n0 = None
     oo, oi = sch.split(o, [None, cfg["vec"]])
-    head = [n0, oo] if n0 is not None else [oo]
-    sch.reorder(*head, n1, i, j, r, s, oi)
-    local = sch.cache_write(blk, 0, "local")
-    sch.reverse_compute_at(local, oo)
-    task = sch.fuse(*head) if len(head) > 1 else oo
+    jo, ji = sch.split(j, [None, cfg["tile_w"]])
+    if cfg["order"] == "pixel":  # every channel of a few pixels at a time: reads stay sequential
+        sch.reorder(n0, n1, i, jo, oo, r, s, ji, oi)
+        local = sch.cache_write(blk, 0, "local")  # all kh*kw*c partial sums of the task, in L1
+        sch.reverse_compute_at(local, n0)
+        task = n0
+    else:  # one channel block's partial sums stay in registers while the task sweeps every pixel
+        head = [n0, oo] if n0 is not None else [oo]
+        sch.reorder(*head, n1, i, jo, r, s, ji, oi)
+        local = sch.cache_write(blk, 0, "local")
+        sch.reverse_compute_at(local, oo)
+        task = sch.fuse(*head) if len(head) > 1 else oo
     sch.parallel(task)
     if conv.padding != (0, 0):
         sch.compute_inline(sch.get_sblock("pad"))
     if cfg["unroll"]:
         sch.unroll(r)
         sch.unroll(s)
+    sch.unroll(ji)
     sch.vectorize(oi)
     sch.decompose_reduction(blk, n1)
 
@@ -135,7 +174,8 @@ def features(conv: DepthwiseConv, op: str, config: Config) -> list[float]:
     channels = conv.out_channels if op != "dgrad" else conv.c
     blocks = channels / config["vec"]
     if op == "wgrad":
-        return [math.log2(config["vec"]), math.log2(blocks * config["nsplit"]), 0.0, 0.0]
+        tasks = config["nsplit"] * (blocks if config["order"] == "channel" else 1)
+        return [math.log2(config["vec"]), math.log2(tasks), math.log2(config["tile_w"]), float(config["order"] == "pixel")]
     rows = conv.n * (oh if op == "fwd" else conv.h)
     tasks = rows * (blocks if config["task"] == "block" else 1)
     return [math.log2(config["vec"]), math.log2(tasks), math.log2(config["tile_w"] * config["vec"]), float(channels)]

@@ -17,7 +17,7 @@ import tvm
 
 from . import records as rec
 from .artifact import cpu_flags, sha256
-from .build import Target, compile_module, schedule, target_key
+from .build import Target, compile_module, schedule, streamed, target_key
 from .ops import DepthwiseConv
 
 __all__ = ["export", "library_name", "versions"]
@@ -44,6 +44,7 @@ def export(db: str, target: Target) -> dict[str, Any] | None:
         return None
     mod = tvm.IRModule()
     symbols: dict[str, str] = {}
+    streams: dict[str, str] = {}
     timings: dict[str, dict[str, float | None]] = {}
     for r in sorted(chosen, key=lambda r: rec.problem_key(r["op"], r["problem"], key, r.get("layout", "NCHW"))):
         layout = r.get("layout", "NCHW")
@@ -54,7 +55,9 @@ def export(db: str, target: Target) -> dict[str, Any] | None:
         conv = DepthwiseConv.from_key(r["problem"])
         mod[sym] = schedule(conv, r["op"], r["config"], target, symbol=sym).mod[sym]
         symbols[pk] = sym
-    lib = compile_module(mod, target)
+        if out := streamed(r["op"], r["config"]):
+            streams[sym] = out
+    lib = compile_module(mod, target, streams)
     name = library_name(key)
     fd, tmp = tempfile.mkstemp(dir=db, prefix="." + name + ".", suffix=".tmp.so")
     os.close(fd)

@@ -89,13 +89,21 @@ class DepthwiseConv:
         oh, ow = self.out_hw
         return 2 * self.n * self.out_channels * oh * ow * self.kernel[0] * self.kernel[1]
 
+    @property
+    def itemsize(self) -> int:
+        return {"float32": 4}.get(self.dtype, 2)
+
     def min_bytes(self, op: str) -> int:
         """Bytes each operator must at least read and write once (the bandwidth bound)."""
-        s = self.shapes()
-        size = {"float32": 4}.get(self.dtype, 2)
-        elems = {k: _prod(v) for k, v in s.items()}
-        moved = {"fwd": ("x", "w", "y"), "dgrad": ("y", "w", "x"), "wgrad": ("y", "x", "w")}[op]
-        return size * sum(elems[k] for k in moved)
+        elems = {k: _prod(v) for k, v in self.shapes().items()}
+        return self.itemsize * sum(elems[k] for k in _MOVED[op])
+
+    def output_bytes(self, op: str) -> int:
+        """Bytes of what ``op`` writes (y, dx or dw)."""
+        return self.itemsize * _prod(self.shapes()[_MOVED[op][-1]])
+
+
+_MOVED = {"fwd": ("x", "w", "y"), "dgrad": ("y", "w", "x"), "wgrad": ("y", "x", "w")}  # inputs..., output
 
 
 def _prod(t: tuple[int, ...]) -> int:

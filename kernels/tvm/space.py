@@ -21,11 +21,18 @@ class InvalidConfig(ValueError):
     """A config that breaks a template constraint; rejected before compiling."""
 
 
+_REQUIRED = object()
+
+
 @dataclass(frozen=True)
 class Knob:
+    """One named choice of a template. ``since`` is the choice that configs recorded before the knob
+    existed made implicitly, so old tuning records stay valid when a template grows a knob."""
+
     name: str
     choices: tuple[Any, ...]
     doc: str = ""
+    since: Any = _REQUIRED
 
     def __post_init__(self) -> None:
         if not self.choices:
@@ -51,6 +58,14 @@ class Space:
     @property
     def names(self) -> list[str]:
         return [k.name for k in self.knobs]
+
+    def complete(self, config: Mapping[str, Any]) -> Config:
+        """``config`` with the knobs it predates set to what it did then (see :attr:`Knob.since`)."""
+        out = dict(config)
+        for k in self.knobs:
+            if k.name not in out and k.since is not _REQUIRED:
+                out[k.name] = k.since
+        return out
 
     def check(self, config: Mapping[str, Any]) -> None:
         """Every knob present with one of its choices (nothing else)."""

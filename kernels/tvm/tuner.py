@@ -11,6 +11,14 @@ is checked against torch before it can become a record; a candidate that
 fails to compile or to match is remembered as failed and never retried.
 Stops at the trial budget, when the space is exhausted, or after
 ``patience`` batches without improvement.
+
+A model's many problems are tuned one after another, and what a template's
+knobs do carries over between them (streaming stores pay for large outputs,
+a pixel-order grad-weight for many channels). A :class:`History` passed to
+every call keeps each template's measurements with the problem's shape as
+extra features and µs per byte moved as the target, so the model of the next
+problem starts from them and steers its first batch too (transfer learning,
+as AutoTVM does across tasks).
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from . import build as B
 from .ops import DepthwiseConv
 from .space import Config, InvalidConfig, Space
 
-__all__ = ["TuneResult", "tune", "Measurement"]
+__all__ = ["TuneResult", "tune", "Measurement", "History"]
 
 
 @dataclass
@@ -58,6 +66,33 @@ class TuneResult:
             cur = min(cur, m.us)
             out.append(cur)
         return out
+
+
+@dataclass
+class History:
+    """Measurements of earlier problems, per (template, operator, knob names): the next model's prior."""
+
+    points: dict[tuple[Any, ...], tuple[list[list[float]], list[float]]] = field(default_factory=dict)
+
+    @staticmethod
+    def key(space: Space, op: str) -> tuple[Any, ...]:
+        return (space.template, op, tuple(space.names))
+
+    def get(self, key: tuple[Any, ...]) -> tuple[list[list[float]], list[float]]:
+        x, y = self.points.get(key, ([], []))
+        return list(x), list(y)
+
+    def add(self, key: tuple[Any, ...], x: list[list[float]], y: list[float]) -> None:
+        old_x, old_y = self.points.setdefault(key, ([], []))
+        old_x.extend(x)
+        old_y.extend(y)
+
+
+def _problem_features(conv: DepthwiseConv, op: str) -> list[float]:
+    """What tells one problem from another to a model shared between them."""
+    oh, ow = conv.out_hw
+    return [math.log2(conv.output_bytes(op)), math.log2(conv.out_channels), math.log2(ow * oh),
+            float(conv.stride[0]), float(conv.kernel[0] * conv.kernel[1])]
 
 
 def _key(cfg: Config) -> str:
@@ -144,10 +179,12 @@ def tune(
     on_measure: Callable[[Measurement, TuneResult], None] | None = None,
     min_ms: float = 20.0,
     layout: str = "NCHW",
+    history: History | None = None,
 ) -> TuneResult:
     """Search the template's space for ``op`` on ``conv`` with ``layout`` activations.
 
-    Every measurement goes to ``on_measure``.
+    Every measurement goes to ``on_measure``; with ``history`` the model
+    starts from earlier problems' measurements and this one's are added.
     """
     if trials < 1:
         raise ValueError(f"trials must be >= 1, got {trials}")
@@ -161,9 +198,15 @@ def tune(
     model: _Model | None = None
     stale = 0
     best = math.inf
+    per_byte = math.log(conv.min_bytes(op))  # log(µs / byte): comparable between problems
+    hkey = History.key(space, op)
+    prior_x, prior_y = history.get(hkey) if history is not None else ([], [])
+    if prior_y:
+        model = _Model(seed)
+        model.fit(prior_x, prior_y)
 
     def feats(c: Config) -> list[float]:
-        return space.features(c) + tmpl.features(conv, op, c)
+        return space.features(c) + tmpl.features(conv, op, c) + _problem_features(conv, op)
 
     def valid(c: Config) -> bool:
         return _valid(conv, op, target, c)
@@ -180,7 +223,7 @@ def tune(
             result.measurements.append(m)
             if math.isfinite(m.us):
                 x.append(feats(cfg))
-                y.append(math.log(m.us))
+                y.append(math.log(m.us) - per_byte)
                 if m.us < best * 0.995:
                     best, improved = m.us, True
             if on_measure is not None:
@@ -190,10 +233,12 @@ def tune(
             fx = x + [feats(m.config) for m in result.measurements if not math.isfinite(m.us)]
             fy = y + [worst] * (len(fx) - len(y))
             model = model or _Model(seed)
-            model.fit(fx, fy)
+            model.fit(prior_x + fx, prior_y + fy)
         stale = 0 if improved else stale + 1
         if stale >= patience:
             break
+    if history is not None:
+        history.add(hkey, x, y)
     return result
 
 

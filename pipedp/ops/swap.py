@@ -9,11 +9,13 @@ layout (forward, grad-input and grad-weight are chosen separately); ``"tvm"``
 uses every tuned kernel and makes a missing one an error that names the
 command to run; ``"torch"`` swaps nothing.
 
-On a CPU ``"auto"`` swaps nothing either: there, kernels that each measured
-faster than torch alone (1.25x geo-mean over MobileNetV2's shapes) left a
-MobileNetV2 training step where it was (1.00-1.02x of plain torch on 2
-vCPUs), so torch stays until a kernel is chosen by what it saves in the
-step; ``"tvm"`` opts in.
+On a CPU ``"auto"`` swaps only where the kernels run on torch's OpenMP team
+(:mod:`kernels.tvm.parallel`; that needs a C compiler at first use): on
+TVM's own thread pool beside torch's, kernels that each beat torch alone
+made a MobileNetV2 training step slower (0.89x on 2 vCPUs), while on one
+team they gain (1.02x a step with the streaming-store kernels, whose
+depthwise convolutions are a tenth of the step). ``"tvm"`` uses them either
+way.
 """
 
 from __future__ import annotations
@@ -80,10 +82,6 @@ def swap_depthwise(model: nn.Module, mode: str, db: str | None, device: torch.de
     layers = [m for m in model.modules() if is_depthwise(m)]
     if not layers:
         return 0
-    if mode == "auto" and device.type == "cpu":
-        log.info("kernels='auto' on CPU: torch runs the %d depthwise layer(s) (tuned CPU kernels gained nothing "
-                 "in a training step, see pipedp.ops.swap); kernels='tvm' uses them", len(layers))
-        return 0
     db = db or default_db()
     lib = load(db, device) if os.path.isdir(db) else None
     if lib is None:
@@ -92,6 +90,11 @@ def swap_depthwise(model: nn.Module, mode: str, db: str | None, device: torch.de
                 f"kernels='tvm' but {db} holds no exported kernels for {device}: run `tune-kernels --model ... "
                 f"--input-shape N,C,H,W --target {device.type} --db {db}` first, or wrap with kernels='auto'"
             )
+        return 0
+    if mode == "auto" and device.type == "cpu" and not lib.torch_team:
+        log.info("kernels='auto' on CPU: torch runs the %d depthwise layer(s), since the kernels could not join "
+                 "torch's OpenMP team (no C compiler?) and on TVM's pool they slow a step (see pipedp.ops.swap); "
+                 "kernels='tvm' uses them anyway", len(layers))
         return 0
     lib.faster_only = mode == "auto"
     for m in layers:

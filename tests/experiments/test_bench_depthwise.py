@@ -45,3 +45,16 @@ def test_metaschedule_candidates_are_retimed_on_our_clock(tmp_path):
     assert curve and all(b <= a for a, b in zip(curve, curve[1:]))  # best so far
     assert len(curve) == len(ms["metaschedule_curve_own_runner"])
     assert math.isfinite(ms["metaschedule_best_us"]) and ms["metaschedule_best_us"] == min(curve)
+
+
+def test_side_by_side_alternates_and_takes_medians():
+    calls = []
+
+    def timer(name, values):
+        it = iter(values)
+        return lambda: calls.append(name) or next(it)
+
+    timed = bench_depthwise.side_by_side({"ours": timer("ours", [5.0, 1.0, 3.0]),
+                                          "torch": timer("torch", [9.0, 4.0, 6.0])}, rounds=3)
+    assert calls == ["ours", "torch"] * 3  # each round times every contender once, in turn
+    assert timed == {"ours": 3.0, "torch": 6.0}

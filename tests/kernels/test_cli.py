@@ -109,18 +109,22 @@ def test_find_depthwise_dedupes_and_bad_arguments():
         cli.main(["--model", "mobilenet_v2", "--input-shape", "2,3,32,32", "--layouts", "nchwc"])
 
 
-def test_auto_on_cpu_leaves_depthwise_layers_to_torch(tuned):
+def test_auto_on_cpu_swaps_only_on_torchs_thread_team(tuned, monkeypatch):
     import torch
     from torch import nn
 
+    from kernels.tvm import parallel
+    from pipedp.ops.depthwise import active_library
     from pipedp.ops.swap import TunedDepthwiseConv2d, swap_depthwise
 
     _, db = tuned
+    cpu = torch.device("cpu")
     net = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, groups=8))
-    assert swap_depthwise(net, "auto", str(db), torch.device("cpu")) == 0
-    assert type(net[0]) is nn.Conv2d
-    assert swap_depthwise(net, "tvm", str(db), torch.device("cpu")) == 1
-    assert type(net[0]) is TunedDepthwiseConv2d
+    monkeypatch.setattr(parallel, "route", lambda path: False)  # as without a C compiler: kernels on TVM's pool
+    assert swap_depthwise(net, "auto", str(db), cpu) == 0 and type(net[0]) is nn.Conv2d
+    monkeypatch.setattr(parallel, "route", lambda path: True)
+    assert swap_depthwise(net, "auto", str(db), cpu) == 1 and type(net[0]) is TunedDepthwiseConv2d
+    assert active_library(cpu).faster_only and not net[0]._strict  # auto: a kernel only where it beat torch
 
 
 def test_faster_only_takes_a_kernel_only_where_it_beat_torch_in_its_layout(tuned):

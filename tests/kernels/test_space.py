@@ -56,3 +56,11 @@ def test_cpu_space_uses_tiles_that_divide_the_output():
     tiles = dict((k.name, k.choices) for k in sp.knobs)
     assert all(14 % t == 0 for t in tiles["tile_h"]) and all(14 % t == 0 for t in tiles["tile_w"])
     assert cpu.space(DepthwiseConv(2, 8, 28, 28), "fwd").knobs[2].choices == ("none",)  # no padding stage
+
+
+def test_configs_recorded_before_a_knob_existed_get_what_they_did_then():
+    grown = Space("t", (Knob("a", (1, 2)), Knob("stream", (0, 1), since=0)))
+    assert grown.complete({"a": 2}) == {"a": 2, "stream": 0}
+    assert grown.complete({"a": 2, "stream": 1}) == {"a": 2, "stream": 1}
+    with pytest.raises(InvalidConfig, match="knob a missing"):
+        grown.check(grown.complete({"stream": 1}))  # a knob without `since` stays required

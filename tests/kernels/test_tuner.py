@@ -66,3 +66,28 @@ def test_the_model_steers_from_the_second_batch():
     order = sorted(range(len(ok)), key=lambda i: pred[i])
     # fit on the batch, the model orders it: its predicted best is faster than its predicted worst
     assert ok[order[0]].us < ok[order[-1]].us
+
+
+def test_history_from_earlier_problems_steers_the_first_batch(monkeypatch):
+    """A law that holds across shapes (here a synthetic one) is learnt on one problem and used on the next."""
+
+    def fake(conv, op, cfg, target, device, min_ms):
+        slow = 1 + 3 * (cfg["cache"] != 1) + 2 * (cfg["unroll"] != 1) + (cfg["task"] != "row")
+        return T.Measurement(cfg, conv.min_bytes(op) * 1e-3 * slow)
+
+    monkeypatch.setattr(T, "_measure", fake)
+    target, cpu = B.make_target("cpu"), torch.device("cpu")
+    first, second = DepthwiseConv(2, 32, 12, 12, padding=1), DepthwiseConv(4, 64, 8, 8, padding=1)
+
+    def good(r):
+        return sum(m.config["cache"] == 1 and m.config["unroll"] == 1 and m.config["task"] == "row"
+                   for m in r.measurements)
+
+    history = T.History()
+    T.tune(first, "fwd", target, cpu, trials=24, batch=8, layout="NHWC", history=history)
+    key = T.History.key(B.space(first, "fwd", target, "NHWC"), "fwd")
+    assert len(history.get(key)[1]) == 24
+    guided = T.tune(second, "fwd", target, cpu, trials=8, batch=8, layout="NHWC", history=history, seed=1)
+    cold = T.tune(second, "fwd", target, cpu, trials=8, batch=8, layout="NHWC", seed=1)
+    assert good(guided) >= 6 > good(cold)  # one batch: 1 in 8 configs is in the fast region
+    assert len(history.get(key)[1]) == 32
