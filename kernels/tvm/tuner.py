@@ -4,9 +4,10 @@ Each round measures a batch of configs, refits the model on everything
 measured so far (log µs from knob values plus the template's loop-structure
 features: tile sizes, threads, shared bytes, vector width), and proposes the
 next batch by simulated annealing on the model's prediction, keeping a few
-random picks to explore. The model is used from the second batch on: with a
-handful of points a shallow boosted tree already ranks tile shapes better
-than chance, and a wrong early model costs only one batch. Every candidate
+random picks to explore. The model is used from the second batch on (from
+the first with a :class:`History`, below): with a handful of points a
+shallow boosted tree already ranks tile shapes better than chance, and a
+wrong early model costs only one batch. Every candidate
 is checked against torch before it can become a record; a candidate that
 fails to compile or to match is remembered as failed and never retried.
 Stops at the trial budget, when the space is exhausted, or after
