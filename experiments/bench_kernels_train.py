@@ -32,8 +32,7 @@ from experiments.machine import describe, sync
 from experiments.report import write_json
 from kernels.tvm import allocator
 from kernels.tvm.cli import load_model, parse_input_shape
-from pipedp.ops.depthwise import active_library
-from pipedp.ops.swap import TunedDepthwiseConv2d, swap_depthwise
+from pipedp.ops.swap import swap_depthwise
 
 __all__ = ["main", "train_step"]
 
@@ -83,8 +82,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--num-classes", type=int, default=10)
     p.add_argument("--layout", choices=["nhwc", "nchw"], default="nhwc", help="activation memory format of both runs")
     p.add_argument("--kernels", choices=["faster", "tvm"], default="faster",
-                   help="faster: each of a layer's kernels only where its tuning beat torch (what kernels='auto' "
-                        "does where it swaps); tvm: every tuned kernel")
+                   help="faster: kernels='auto' (each of a layer's kernels only where its tuning beat torch); "
+                        "tvm: every tuned kernel")
     p.add_argument("--db", required=True, help="kernel database (tune-kernels --db)")
     p.add_argument("--tune", action="store_true", help="run tune-kernels on the model first")
     p.add_argument("--trials", type=int, default=8, help="with --tune: trials per kernel")
@@ -112,17 +111,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     plain = load_model(args.model, args.num_classes).to(device, memory_format=fmt)
     tuned = copy.deepcopy(plain)
     try:
-        swapped = swap_depthwise(tuned, "tvm", args.db, device)
+        swapped = swap_depthwise(tuned, "auto" if args.kernels == "faster" else "tvm", args.db, device)
     except RuntimeError:  # no export for this device in the db
         swapped = 0
-    if swapped and args.kernels == "faster":
-        active_library(device).faster_only = True
-        for m in tuned.modules():
-            if isinstance(m, TunedDepthwiseConv2d):
-                m._strict = False
     if swapped == 0:
-        raise SystemExit(f"bench_kernels_train: {args.db} has no kernels for {device}: "
-                         "run with --tune (or tune-kernels)")
+        raise SystemExit(f"bench_kernels_train: no depthwise layer swapped: {args.db} has no kernels for {device} "
+                         "(run with --tune, or tune-kernels), or kernels='auto' left them to torch (see the log)")
     g = torch.Generator().manual_seed(args.seed)
     batches = [(torch.randn(shape, generator=g).to(device).contiguous(memory_format=fmt),
                 torch.randint(0, args.num_classes, (shape[0],), generator=g).to(device)) for _ in range(args.window)]
