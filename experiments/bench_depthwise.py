@@ -134,11 +134,12 @@ def bench_kernel(set_name: str, prob: DepthwiseConv, op: str, layouts: list[str]
     tuned = {layout: tune(prob, op, target, device, trials=trials, layout=layout, history=history)
              for layout in layouts}
     best_cfg = {layout: r.best.config for layout, r in tuned.items() if r.best}
-    def ours(layout: str) -> Any:
+
+    def timer(layout: str) -> Any:
         kernel = B.build(prob, op, best_cfg[layout], target)
         return lambda: B.measure_us(kernel, prob, op, device, layout=layout)
 
-    contenders: dict[str, Any] = {layout: ours(layout) for layout in best_cfg}
+    contenders: dict[str, Any] = {layout: timer(layout) for layout in best_cfg}
     contenders["torch nchw"] = lambda: B.torch_us(prob, op, device, False)
     contenders["torch nhwc"] = lambda: B.torch_us(prob, op, device, True)
     timed = side_by_side(contenders, rounds)

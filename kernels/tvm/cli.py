@@ -92,9 +92,10 @@ def parse_input_shape(text: str) -> tuple[int, ...]:
     """``N,C,H,W`` as given to ``--input-shape`` (a clear exit for anything else)."""
     try:
         shape = tuple(int(v) for v in text.split(","))
-        assert len(shape) == 4 and min(shape) >= 1
-    except (ValueError, AssertionError):
-        raise SystemExit(f"--input-shape {text!r}: give N,C,H,W, e.g. 32,3,32,32") from None
+    except ValueError:
+        shape = ()
+    if len(shape) != 4 or min(shape) < 1:  # (not an assert: python -O would drop it)
+        raise SystemExit(f"--input-shape {text!r}: give N,C,H,W, e.g. 32,3,32,32")
     return shape
 
 

@@ -199,7 +199,7 @@ def tune(
     model: _Model | None = None
     stale = 0
     best = math.inf
-    per_byte = math.log(conv.min_bytes(op))  # log(µs / byte): comparable between problems
+    log_bytes = math.log(conv.min_bytes(op))  # targets are log(µs / byte): comparable between problems
     hkey = History.key(space, op)
     prior_x, prior_y = history.get(hkey) if history is not None else ([], [])
     if prior_y:
@@ -224,7 +224,7 @@ def tune(
             result.measurements.append(m)
             if math.isfinite(m.us):
                 x.append(feats(cfg))
-                y.append(math.log(m.us) - per_byte)
+                y.append(math.log(m.us) - log_bytes)
                 if m.us < best * 0.995:
                     best, improved = m.us, True
             if on_measure is not None:
