@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup reproduce demo test test-slow clean
+.PHONY: setup reproduce demo test test-slow wheel-check clean
 
 setup: $(VENV)/.ready
 
@@ -27,6 +27,10 @@ test: setup
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow
+
+# The wheel in a fresh virtualenv (with the experiments extra, without tvm): console scripts from outside the repo.
+wheel-check:
+	PYTHON=$(PYTHON) TORCH_SPEC="$(TORCH_SPEC)" bash .ci/wheel-check
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache reproduce-out

@@ -36,15 +36,18 @@ from unittest import mock
 
 import torch
 
-from experiments.machine import describe
-from experiments.report import write_json
-from experiments.models import mobilenet_v2
-from kernels.tvm import allocator
-from kernels.tvm import build as B
-from kernels.tvm.cli import find_depthwise
-from kernels.tvm.roofline import bound_us
-from kernels.tvm.ops import OPS, DepthwiseConv, compute
-from kernels.tvm.tuner import History, tune
+from .machine import describe
+from .report import write_json
+from pipedp.models import mobilenet_v2
+from pipedp.kernels.tvm import allocator
+from pipedp.kernels.tvm import builder as B
+from pipedp.kernels.tvm import runner as R
+from pipedp.kernels.tvm.cli import find_depthwise
+from pipedp.kernels.tvm.roofline import bound_us
+from pipedp.kernels.tvm.ops import OPS, DepthwiseConv, compute
+from pipedp.kernels.tvm.target import Target, make_target
+from pipedp.kernels.tvm.template import layouts_for
+from pipedp.kernels.tvm.tuner import History, tune
 
 SETS = {
     "32x32": (lambda: mobilenet_v2(cifar=True), (128, 3, 32, 32)),
@@ -69,7 +72,7 @@ def _ms_build(mod: Any, target: Any, _params: Any = None) -> Any:
     return tvm.compile(mod, target=target).mod
 
 
-def metaschedule_curve(conv: DepthwiseConv, op: str, layout: str, target: B.Target, trials: int,
+def metaschedule_curve(conv: DepthwiseConv, op: str, layout: str, target: Target, trials: int,
                        device: torch.device) -> dict[str, list[float]]:
     """MetaSchedule's best µs after each trial on the same compute, at the same budget (its own space and model).
 
@@ -101,8 +104,8 @@ def metaschedule_curve(conv: DepthwiseConv, op: str, layout: str, target: B.Targ
             sch = s_tir.Schedule(rec.workload.mod)
             rec.trace.apply_to_schedule(sch, remove_postproc=False)
             kernel = B.runnable(B.compile_module(sch.mod, target), "main", target)
-            B.check(kernel, conv, op, device, layout)
-            best_ours = min(best_ours, B.measure_us(kernel, conv, op, device, layout=layout))
+            R.check(kernel, conv, op, device, layout)
+            best_ours = min(best_ours, R.measure_us(kernel, conv, op, device, layout=layout))
         own.append(best_own)
         ours.append(best_ours)
     return {"own": own, "ours": ours}
@@ -127,7 +130,7 @@ def side_by_side(contenders: dict[str, Any], rounds: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def bench_kernel(set_name: str, prob: DepthwiseConv, op: str, layouts: list[str], target: B.Target,
+def bench_kernel(set_name: str, prob: DepthwiseConv, op: str, layouts: list[str], target: Target,
                  device: torch.device, trials: int, rounds: int = 3, history: History | None = None) -> dict[str, Any]:
     """Tune ``op`` on ``prob`` in every layout, then time the best of each and torch in both layouts side by side."""
     t0 = time.time()
@@ -137,11 +140,11 @@ def bench_kernel(set_name: str, prob: DepthwiseConv, op: str, layouts: list[str]
 
     def timer(layout: str) -> Any:
         kernel = B.build(prob, op, best_cfg[layout], target)
-        return lambda: B.measure_us(kernel, prob, op, device, layout=layout)
+        return lambda: R.measure_us(kernel, prob, op, device, layout=layout)
 
     contenders: dict[str, Any] = {layout: timer(layout) for layout in best_cfg}
-    contenders["torch nchw"] = lambda: B.torch_us(prob, op, device, False)
-    contenders["torch nhwc"] = lambda: B.torch_us(prob, op, device, True)
+    contenders["torch nchw"] = lambda: R.torch_us(prob, op, device, False)
+    contenders["torch nhwc"] = lambda: R.torch_us(prob, op, device, True)
     timed = side_by_side(contenders, rounds)
     base = {"nchw": timed["torch nchw"], "nhwc": timed["torch nhwc"]}
     ours = {layout: timed[layout] for layout in best_cfg}
@@ -184,8 +187,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability()
         arch = f"sm_{major}{minor}"
-    target = B.make_target(args.target, arch)
-    layouts = list(B.layouts_for(target)) if args.layouts == "auto" else [v.upper() for v in args.layouts.split(",")]
+    target = make_target(args.target, arch)
+    layouts = list(layouts_for(target)) if args.layouts == "auto" else [v.upper() for v in args.layouts.split(",")]
     if not allocator.measure_with(args.allocator):
         raise SystemExit("--allocator reuse needs glibc (mallopt); use --allocator default here")
     report: dict[str, Any] = {"benchmark": "bench_depthwise", "date": time.strftime("%Y-%m-%d"),

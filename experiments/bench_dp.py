@@ -28,7 +28,7 @@ import socket
 import statistics
 import tempfile
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -36,10 +36,12 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import pipedp
-from experiments.machine import describe, sync
-from experiments.models import get_model
-from experiments.report import write_json
+from pipedp import console
+from .machine import describe, sync
+from pipedp.models import get_model
+from .report import write_json
 
+PROG = "python -m experiments.bench_dp"
 CONFIGS = ("ddp", "pipedp", "nosync")
 
 
@@ -158,21 +160,26 @@ def _row(r: dict[str, Any]) -> str:
     )
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--procs", type=int, default=2)
-    p.add_argument("--models", default="resnet18,resnet50")
+def _parser() -> argparse.ArgumentParser:
+    p = console.make_parser(PROG, __doc__)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="gloo on CPU, NCCL on CUDA")
+    p.add_argument("--procs", type=int, default=2, help="processes (data-parallel replicas)")
+    p.add_argument("--models", default="resnet18,resnet50", help="comma list of models")
     p.add_argument("--batch", type=int, default=32, help="per process")
-    p.add_argument("--stages", type=int, default=1)
-    p.add_argument("--microbatches", type=int, default=1)
-    p.add_argument("--bucket-mb", type=float, default=25.0)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--stages", type=int, default=1, help="pipeline stages of pipedp's engine")
+    p.add_argument("--microbatches", type=int, default=1, help="microbatches per pipedp step")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="pipedp's gradient bucket size (MiB)")
+    p.add_argument("--rounds", type=int, default=3, help="alternating windows per configuration")
     p.add_argument("--steps", type=int, default=3, help="steps per timing window")
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration first")
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="torch threads per process")
     p.add_argument("--out", default=None, help="write the results JSON here")
-    args = p.parse_args(argv)
+    return p
+
+
+def bench(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark for ``argv``; the report (also written to --out when given)."""
+    args = _parser().parse_args(argv)
     if args.device == "cuda" and torch.cuda.device_count() < args.procs:
         raise SystemExit(f"--procs {args.procs} needs {args.procs} GPUs, found {torch.cuda.device_count()}")
     with socket.socket() as s:
@@ -196,5 +203,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return report
 
 
+def main(argv: Sequence[str] | None = None) -> int:
+    """python -m experiments.bench_dp: exit status 0 on success; a failure is one line on stderr, status 1."""
+
+    def status(a: Sequence[str] | None) -> int:
+        bench(a)
+        return 0
+
+    return console.run(status, argv, PROG)
+
+
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -28,10 +28,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from experiments.machine import describe, sync
-from experiments.report import write_json
-from kernels.tvm import allocator
-from kernels.tvm.cli import load_model, parse_input_shape
+from .machine import describe, sync
+from .report import write_json
+from pipedp.kernels.tvm import allocator
+from pipedp.kernels.tvm.cli import load_model, parse_input_shape
 from pipedp.ops.swap import swap_depthwise
 
 __all__ = ["main", "train_step"]
@@ -64,7 +64,7 @@ def _grad_difference(a: nn.Module, b: nn.Module, x: torch.Tensor, y: torch.Tenso
         grads.append([p.grad.detach().clone() for p in m.parameters()])
         m.zero_grad(set_to_none=True)
     scale = max(g.abs().max().item() for g in grads[0])
-    return max((g - h).abs().max().item() for g, h in zip(*grads)) / max(scale, 1e-30)
+    return max((g - h).abs().max().item() for g, h in zip(*grads, strict=True)) / max(scale, 1e-30)
 
 
 def _window(step: Callable[..., float], batches: list, device: torch.device) -> tuple[float, list[float]]:
@@ -96,19 +96,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     if min(args.windows, args.window, args.trials) < 1:
         raise SystemExit("bench_kernels_train: --windows, --window and --trials must be at least 1")
-    shape = parse_input_shape(args.input_shape)
+    try:
+        shape = parse_input_shape(args.input_shape)
+    except ValueError as e:
+        raise SystemExit(f"bench_kernels_train: {e}") from e
     device = torch.device(args.device)
     if not allocator.measure_with(args.allocator):
         raise SystemExit("bench_kernels_train: --allocator reuse needs glibc (mallopt); use --allocator default")
     if args.tune:
-        from kernels.tvm import cli
+        from pipedp.kernels.tvm import cli
 
-        cli.main(["--model", args.model, "--input-shape", args.input_shape, "--target", device.type,
-                  "--trials", str(args.trials), "--layouts", args.layout, "--db", args.db,
-                  "--num-classes", str(args.num_classes), "--allocator", args.allocator, "--no-progress"])
+        status = cli.main(["--model", args.model, "--input-shape", args.input_shape, "--target", device.type,
+                           "--trials", str(args.trials), "--layouts", args.layout, "--db", args.db,
+                           "--num-classes", str(args.num_classes), "--allocator", args.allocator, "--no-progress"])
+        if status != 0:
+            raise SystemExit(f"bench_kernels_train: tune-kernels failed (exit status {status}, reason above)")
     fmt = torch.channels_last if args.layout == "nhwc" else torch.contiguous_format
     torch.manual_seed(args.seed)
-    plain = load_model(args.model, args.num_classes).to(device, memory_format=fmt)
+    try:
+        plain = load_model(args.model, args.num_classes)
+    except ValueError as e:  # an unknown zoo name or a model file without its factory
+        raise SystemExit(f"bench_kernels_train: {e}") from e
+    plain = plain.to(device, memory_format=fmt)
     tuned = copy.deepcopy(plain)
     try:
         swapped = swap_depthwise(tuned, "auto" if args.kernels == "faster" else "tvm", args.db, device)
@@ -133,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         times[name].append(secs / args.window)
         losses[name] += ls
     med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
-    diff = max(abs(a - b) for a, b in zip(losses["plain"], losses["kernels"]))
+    diff = max(abs(a - b) for a, b in zip(losses["plain"], losses["kernels"], strict=True))
     report = {
         "benchmark": "bench_kernels_train", "date": time.strftime("%Y-%m-%d"), "machine": describe(device),
         "settings": vars(args), "depthwise_layers_swapped": swapped, "step_s": times,

@@ -25,18 +25,20 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import pipedp
-from experiments.machine import describe, sync
-from experiments.models import get_model
-from experiments.report import write_json
+from pipedp import console
+from .machine import describe, sync
+from pipedp.models import get_model
+from .report import write_json
 from pipedp.pipeline.graphed import fresh_cublas_workspaces
 
+PROG = "python -m experiments.bench_pipeline"
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -334,25 +336,33 @@ def print_table(results: dict, machine: dict) -> None:
     print("(* best pipedp configuration; ratios are medians of alternating windows in this one process)")
 
 
-def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="resnet18,resnet34,resnet50")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--batch", type=int, default=128)
-    p.add_argument("--configs", default=None, help="comma-separated; ';' between configs (see parse_config)")
-    p.add_argument("--steps", type=int, default=None, help="steps per timing window")
+def _parser() -> argparse.ArgumentParser:
+    p = console.make_parser(PROG, __doc__)
+    p.add_argument("--models", default="resnet18,resnet34,resnet50", help="comma list of models")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda[:i]")
+    p.add_argument("--batch", type=int, default=128, help="images per step")
+    p.add_argument("--configs", default=None, help="';' between configs (see parse_config); default: this device's "
+                   "standard set")
+    p.add_argument("--steps", type=int, default=None, help="steps per timing window; default: 15 on CUDA, 2 on CPU")
     p.add_argument("--rounds", type=int, default=4, help="alternating windows per config")
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per config first")
     p.add_argument("--profile", action=argparse.BooleanOptionalAction, default=None,
-                   help="profile blocks (default: on CUDA) or use the cost model")
-    p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--channels-last", action="store_true")
+                   help="profile blocks (None: on CUDA) or use the cost model")
+    p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure each configuration's peak memory")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
+                   help="read the stream overlap of a pipelined step from a profiler trace (CUDA)")
+    p.add_argument("--channels-last", action="store_true", help="channels_last model and batch")
     p.add_argument("--cudnn-benchmark", action=argparse.BooleanOptionalAction, default=True,
                    help="torch.backends.cudnn.benchmark for every configuration (CUDA)")
     p.add_argument("--out", default=None, help="write results JSON here")
     p.add_argument("--verbose", action="store_true", help="log every timing window")
-    args = p.parse_args(argv)
+    return p
+
+
+def bench(argv: Sequence[str] | None = None) -> dict:
+    """Run the benchmark for ``argv``; the results (also written to --out when given)."""
+    args = _parser().parse_args(argv)
     device = torch.device(args.device)
     if args.profile is None:
         args.profile = device.type == "cuda"
@@ -378,5 +388,15 @@ def main(argv: list[str] | None = None) -> dict:
     return out
 
 
+def main(argv: Sequence[str] | None = None) -> int:
+    """python -m experiments.bench_pipeline: exit status 0 on success; a failure is one line on stderr, status 1."""
+
+    def status(a: Sequence[str] | None) -> int:
+        bench(a)
+        return 0
+
+    return console.run(status, argv, PROG)
+
+
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -15,14 +15,18 @@ import argparse
 import copy
 import statistics
 import time
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import pipedp
-from experiments.machine import describe, sync
-from experiments.models import resnet18
+from pipedp import console
+from .machine import describe, sync
+from pipedp.models import resnet18
+
+PROG = "python -m experiments.demo"
 
 
 def pattern_data(batches: int, batch: int, classes: int = 10, seed: int = 0, noise: float = 0.8):
@@ -37,19 +41,24 @@ def pattern_data(batches: int, batch: int, classes: int = 10, seed: int = 0, noi
     return out
 
 
-def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cpu")
+def _parser() -> argparse.ArgumentParser:
+    p = console.make_parser(PROG, __doc__)
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     p.add_argument("--steps", type=int, default=6, help="training steps to print")
-    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--batch", type=int, default=64, help="images per step")
     p.add_argument("--stages", default="2", help="number of stages, or 'auto'")
-    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--microbatches", type=int, default=4, help="microbatches per pipedp step")
     p.add_argument("--lr", type=float, default=0.02, help="SGD learning rate (momentum 0.9), both sides")
-    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeline schedule")
     p.add_argument("--width", type=int, default=64, help="ResNet base width (64 is the real model)")
     p.add_argument("--windows", type=int, default=2, help="alternating timing windows per side")
-    p.add_argument("--cuda-graph", action="store_true")
-    args = p.parse_args(argv)
+    p.add_argument("--cuda-graph", action="store_true", help="capture pipedp's step as a CUDA graph")
+    return p
+
+
+def demo(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the demo for ``argv``; the losses, images/s of both sides and the plan."""
+    args = _parser().parse_args(argv)
     device = torch.device(args.device)
     torch.manual_seed(0)
     model = resnet18(width=args.width).to(device)
@@ -106,5 +115,15 @@ def main(argv: list[str] | None = None) -> dict:
     return {"losses": losses, "plain_images_per_s": plain, "pipedp_images_per_s": piped, "plan": engine.plan}
 
 
+def main(argv: Sequence[str] | None = None) -> int:
+    """python -m experiments.demo: exit status 0 on success; a failure is one line on stderr, status 1."""
+
+    def status(a: Sequence[str] | None) -> int:
+        demo(a)
+        return 0
+
+    return console.run(status, argv, PROG)
+
+
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -6,7 +6,7 @@ import os
 import warnings
 from typing import Any
 
-from experiments.report import write_text
+from .report import write_text
 from pipedp.atomic import replace_atomically
 
 __all__ = ["PAPER_SPEEDUP", "table_markdown", "plot_speedup", "plot_accuracy", "write_outputs"]

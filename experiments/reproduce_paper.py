@@ -19,22 +19,27 @@ import argparse
 import copy
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
 import pipedp
-from experiments import data as D
-from experiments.machine import describe, sync
-from experiments.models import MODELS, paper_model
-from experiments.paper_report import write_outputs
-from experiments.report import write_json
+from pipedp import console
+from . import data as D
+from .machine import describe, sync
+from pipedp.models import MODELS
 
-__all__ = ["main", "run_model"]
+from .models import paper_model
+from .paper_report import write_outputs
+from .report import write_json
 
+__all__ = ["main", "reproduce", "run_model"]
+
+PROG = "reproduce-paper"
 QUICK = {"epochs": 1, "train": 512, "test": 256, "batch_size": 64}
 
 
@@ -184,73 +189,98 @@ def _plan_summary(plan: Any) -> str:
     return f"{len(counts)} stage(s) of {'+'.join(map(str, counts))} blocks, {plan.microbatches} microbatches"
 
 
+class _Later:
+    """A default that depends on ``--quick`` (or the dataset): settled by :func:`_resolve`, shown by --help."""
+
+    def __init__(self, full: Any, quick: Any, text: str | None = None) -> None:
+        self.full, self.quick = full, quick
+        self.text = text or f"{'all' if full is None else full}; {quick} with --quick"
+
+    def __str__(self) -> str:
+        return self.text
+
+    __repr__ = __str__
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="reproduce-paper", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default=None, help="comma list of " + ", ".join(MODELS) +
-                   " (default resnet18,resnet34,resnet50; resnet18 with --quick)")
-    p.add_argument("--dataset", default="digits", choices=D.DATASETS)
+    p = console.make_parser(PROG, __doc__)
+    p.add_argument("--models", default=_Later("resnet18,resnet34,resnet50", "resnet18"),
+                   help="comma list of " + ", ".join(MODELS))
+    p.add_argument("--dataset", default="digits", choices=D.DATASETS,
+                   help="digits: offline, ships with scikit-learn; synthetic: generated; the others are read from "
+                        "--data-root")
     p.add_argument("--data-root", default=None, help="folder holding cifar-10-batches-py, cifar-100-python or "
                    "101_ObjectCategories (never downloaded)")
-    p.add_argument("--epochs", type=int, default=None)
-    p.add_argument("--batch-size", type=int, default=None, help="default 128 (64 with --quick)")
-    p.add_argument("--microbatches", type=int, default=4)
-    p.add_argument("--stages", default="auto", help="'auto' or a number of stages")
-    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
-    p.add_argument("--kernels", default="auto", choices=["auto", "torch", "tvm"])
+    p.add_argument("--epochs", type=int, default=_Later(10, QUICK["epochs"]), help="training epochs per model")
+    p.add_argument("--batch-size", type=int, default=_Later(128, QUICK["batch_size"]),
+                   help="images per training step (both runs)")
+    p.add_argument("--microbatches", type=int, default=4, help="microbatches per pipedp step")
+    p.add_argument("--stages", default="auto", help="'auto' or a number of pipeline stages")
+    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeline schedule")
+    p.add_argument("--kernels", default="auto", choices=["auto", "torch", "tvm"],
+                   help="pipedp's depthwise-convolution kernels (pipedp.wrap's kernels=)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     p.add_argument("--lr", type=float, default=0.1, help="SGD learning rate at batch 128 (scaled linearly)")
     p.add_argument("--width", type=int, default=64, help="ResNet base width (64: the standard models)")
-    p.add_argument("--image-size", type=int, default=None, help="digits/synthetic image size (default 32)")
-    p.add_argument("--train-images", type=int, default=None, help="use the first N training images")
-    p.add_argument("--test-images", type=int, default=None, help="use the first N test images")
+    p.add_argument("--image-size", type=int, default=_Later(None, None, "32; 224 for caltech101"),
+                   help="image size of digits, synthetic and caltech101 (CIFAR's is 32)")
+    p.add_argument("--train-images", type=int, default=_Later(None, QUICK["train"]),
+                   help="use the first N training images")
+    p.add_argument("--test-images", type=int, default=_Later(None, QUICK["test"]), help="use the first N test images")
     p.add_argument("--window", type=int, default=4, help="steps per alternating timing window")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the initial weights, the shuffle and the augmentation")
     p.add_argument("--quick", action="store_true",
                    help=f"a few minutes on 2 CPU cores: {QUICK['epochs']} epoch on {QUICK['train']} images, batch "
                         f"{QUICK['batch_size']}")
-    p.add_argument("--trace", default=None, help="write one pipelined step as a Chrome/Perfetto trace (JSON)")
-    p.add_argument("--out", default="reproduce-out")
-    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--trace", default=None, help="write one pipelined step as a Chrome/Perfetto trace (JSON; "
+                   "one file per model, named after it, when there are several)")
+    p.add_argument("--out", default="reproduce-out", help="folder for results.json, table.md and the plots")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bars")
     return p
 
 
 def _resolve(args: argparse.Namespace) -> argparse.Namespace:
-    models = args.models or ("resnet18" if args.quick else "resnet18,resnet34,resnet50")
-    args.model_list = [m.strip() for m in models.split(",") if m.strip()]
+    for k, v in list(vars(args).items()):
+        if isinstance(v, _Later):
+            setattr(args, k, v.quick if args.quick else v.full)
+    args.model_list = [m.strip() for m in args.models.split(",") if m.strip()]
     bad = [m for m in args.model_list if m not in MODELS]
     if bad or not args.model_list:
-        raise SystemExit(f"reproduce-paper: unknown model(s) {bad}: choose from {', '.join(MODELS)}")
-    if args.quick:
-        args.epochs = args.epochs or QUICK["epochs"]
-        args.batch_size = args.batch_size or QUICK["batch_size"]
-        args.train_images = args.train_images or QUICK["train"]
-        args.test_images = args.test_images or QUICK["test"]
-    args.epochs = args.epochs or 10
-    args.batch_size = args.batch_size or 128
+        raise ValueError(f"unknown model(s) {bad}: choose from {', '.join(MODELS)}")
     if args.stages != "auto":
         try:
             args.stages = int(args.stages)
         except ValueError:
-            raise SystemExit(f"reproduce-paper: --stages must be 'auto' or an integer, got {args.stages!r}") from None
+            raise ValueError(f"--stages must be 'auto' or an integer, got {args.stages!r}") from None
     for k in ("epochs", "batch_size", "microbatches", "window", "width"):
         if getattr(args, k) < 1:
-            raise SystemExit(f"reproduce-paper: --{k.replace('_', '-')} must be at least 1")
+            raise ValueError(f"--{k.replace('_', '-')} must be at least 1")
     if args.batch_size < args.microbatches:
-        raise SystemExit(f"reproduce-paper: --batch-size {args.batch_size} is smaller than --microbatches "
-                         f"{args.microbatches}")
+        raise ValueError(f"--batch-size {args.batch_size} is smaller than --microbatches {args.microbatches}")
     return args
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def _check_extras(dataset: str) -> None:
+    """Fail before any training when the dataset needs the experiments extra; say early that plots will be skipped."""
+    if dataset == "caltech101":
+        console.require("PIL", "experiments", "--dataset caltech101 (reading its images)")
+    if dataset == "digits" and not os.path.isfile(os.environ.get("PIPEDP_DIGITS_NPZ", "")):
+        console.require("sklearn.datasets", "experiments", "--dataset digits (it ships with scikit-learn; or set "
+                        "PIPEDP_DIGITS_NPZ, see experiments.data.save_digits)")
+    try:
+        console.require("matplotlib", "experiments", "the plots")
+    except console.MissingExtra as e:
+        print(f"{PROG}: note: speedup.png and accuracy.png will be skipped: {e}", file=sys.stderr, flush=True)
+
+
+def reproduce(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the experiment reproduce-paper's options ``argv`` describe; the results (also written to --out)."""
     args = _resolve(_parser().parse_args(argv))
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("reproduce-paper: --device cuda but this torch build sees no GPU; use --device cpu")
-    try:
-        ds = D.load(args.dataset, args.data_root, image_size=args.image_size, seed=args.seed)
-    except (FileNotFoundError, ValueError, ImportError) as e:
-        raise SystemExit(f"reproduce-paper: {e}") from None
+        raise RuntimeError("--device cuda but this torch build sees no GPU; use --device cpu")
+    _check_extras(args.dataset)
+    ds = D.load(args.dataset, args.data_root, image_size=args.image_size, seed=args.seed)
     ds = ds.subset(args.train_images, args.test_images)
     os.makedirs(args.out, exist_ok=True)
     if args.trace:
@@ -258,8 +288,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     settings = {k: v for k, v in vars(args).items() if k != "model_list"}
     results: dict[str, Any] = {"benchmark": "reproduce_paper", "date": time.strftime("%Y-%m-%d"),
                                "machine": describe(device), "args": settings, "runs": []}
-    print(f"reproduce-paper: {ds.name} ({len(ds.train_x)} train / {len(ds.test_x)} test images, {ds.classes} classes, "
-          f"{ds.image_size}x{ds.image_size}) on {results['machine'].get('gpu') or results['machine']['cpu']}", flush=True)
+    where = results["machine"].get("gpu") or results["machine"]["cpu"]
+    print(f"{PROG}: {ds.name} ({len(ds.train_x)} train / {len(ds.test_x)} test images, {ds.classes} classes, "
+          f"{ds.image_size}x{ds.image_size}) on {where}", flush=True)
     for name in args.model_list:
         trace = None
         if args.trace:
@@ -272,5 +303,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return results
 
 
+def main(argv: Sequence[str] | None = None) -> int:
+    """The reproduce-paper console script: exit status 0 on success; a failure is one line on stderr, status 1."""
+
+    def status(a: Sequence[str] | None) -> int:
+        reproduce(a)
+        return 0
+
+    return console.run(status, argv, PROG)
+
+
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

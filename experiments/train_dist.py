@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -22,22 +23,30 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import pipedp
-from experiments.demo import pattern_data
-from experiments.models import resnet18
+from pipedp import console
+from .demo import pattern_data
+from pipedp.models import resnet18
+
+PROG = "python -m experiments.train_dist"
 
 
-def main(argv: list[str] | None = None) -> list[float]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=20)
+def _parser() -> argparse.ArgumentParser:
+    p = console.make_parser(PROG, __doc__)
+    p.add_argument("--steps", type=int, default=20, help="train until the engine has taken this many steps")
     p.add_argument("--batch", type=int, default=32, help="per data-parallel replica")
     p.add_argument("--pp", type=int, default=1, help="pipeline ranks per replica")
-    p.add_argument("--stages", default="auto")
-    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--stages", default="auto", help="'auto' or a number of pipeline stages")
+    p.add_argument("--microbatches", type=int, default=4, help="microbatches per step")
     p.add_argument("--width", type=int, default=16, help="ResNet-18 base width (64 is the real model)")
     p.add_argument("--ckpt", default="train_dist.pt", help="checkpoint file")
-    p.add_argument("--save-every", type=int, default=10)
-    p.add_argument("--resume", action="store_true")
-    args = p.parse_args(argv)
+    p.add_argument("--save-every", type=int, default=10, help="write the checkpoint every N steps")
+    p.add_argument("--resume", action="store_true", help="continue from --ckpt when it exists")
+    return p
+
+
+def train(argv: Sequence[str] | None = None) -> list[float]:
+    """Train for ``argv`` (alone or as a torchrun rank); this rank's losses."""
+    args = _parser().parse_args(argv)
 
     launched = "RANK" in os.environ
     if launched:
@@ -90,5 +99,15 @@ def main(argv: list[str] | None = None) -> list[float]:
             dist.destroy_process_group()
 
 
+def main(argv: Sequence[str] | None = None) -> int:
+    """python -m experiments.train_dist: exit status 0 on success; a failure is one line on stderr, status 1."""
+
+    def status(a: Sequence[str] | None) -> int:
+        train(a)
+        return 0
+
+    return console.run(status, argv, PROG)
+
+
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

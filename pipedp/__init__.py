@@ -7,10 +7,16 @@ training with gradient accumulation over the same microbatches. Launched with
 torchrun it runs data parallel x pipeline over ``torch.distributed``.
 """
 
-from . import data
-from .distributed import DistributedError
-from .engine import Engine, wrap
-from .plan import Plan, StagePlan
-
-__all__ = ["wrap", "Engine", "Plan", "StagePlan", "DistributedError", "data"]
 __version__ = "0.1.0"
+
+from . import data  # noqa: E402
+from .api import wrap  # noqa: E402
+from .distributed import DistributedError  # noqa: E402
+from .engine import Engine  # noqa: E402
+from .options import DataParallelOptions, KernelOptions, PipelineOptions  # noqa: E402
+from .plan import Plan, StagePlan  # noqa: E402
+
+__all__ = [
+    "wrap", "Engine", "PipelineOptions", "DataParallelOptions", "KernelOptions", "Plan", "StagePlan",
+    "DistributedError", "data", "__version__",
+]

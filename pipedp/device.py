@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence, Union
 
 import torch
+from torch import nn
 
-__all__ = ["parse_device"]
+__all__ = ["parse_device", "resolve_devices", "DeviceSpec"]
+
+DeviceSpec = Union[None, str, int, torch.device, Sequence[Union[str, int, torch.device]]]
 
 
 def parse_device(d: Any, what: str = "devices") -> torch.device:
@@ -28,3 +31,23 @@ def parse_device(d: Any, what: str = "devices") -> torch.device:
     if dev.type != "cpu":
         raise ValueError(f"{what}: {dev} is not supported; pipedp runs on 'cpu' and 'cuda' devices")
     return dev
+
+
+def resolve_devices(model: nn.Module, devices: DeviceSpec) -> list[torch.device]:
+    """The devices to run on (default: the model's), checked: they must exist on this machine."""
+    if devices is None:
+        p = next(model.parameters(), None)
+        items: list[Any] = [p.device if p is not None else torch.device("cpu")]
+    elif isinstance(devices, (str, int, torch.device)):
+        items = [devices]
+    else:
+        items = list(devices)
+    if not items:
+        raise ValueError("devices is empty: pass None (the model's device), a device, or a list of devices")
+    out = [parse_device(d) for d in items]
+    if len(set(out)) != len(out):
+        raise ValueError(
+            f"devices {[str(d) for d in out]} lists a device twice; list each device once "
+            f"(several stages share a device on their own when stages > len(devices))"
+        )
+    return out

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .checks import positive_int, positive_number
+
 __all__ = ["Layout", "resolve_layout", "check_backend", "missing_ranks", "missing_note", "DistributedError", "DEFAULT_TIMEOUT_S"]
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -58,12 +60,6 @@ class Layout:
         )
 
 
-def _positive(name: str, v: object) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"{name} must be a positive int, got {v!r}")
-    return v
-
-
 def _from_groups(dp_group: Any, pp_group: Any, timeout: datetime.timedelta) -> Layout:
     dp = dist.get_world_size(dp_group) if dp_group is not None else 1
     pp = dist.get_world_size(pp_group) if pp_group is not None else 1
@@ -88,10 +84,8 @@ def resolve_layout(
     a ``DeviceMesh`` with dims ``("dp", "pp")`` or ``("dp",)``, or explicit groups.
     Building groups is collective: every rank must call this in the same order.
     """
-    _positive("pp", pp)
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    td = datetime.timedelta(seconds=float(timeout))
+    positive_int("pp", pp)
+    td = datetime.timedelta(seconds=positive_number("timeout", timeout, "seconds"))
     given = [n for n, v in (("mesh", mesh), ("dp_group", dp_group), ("pp_group", pp_group)) if v is not None]
     if not (dist.is_available() and dist.is_initialized()):
         if given or pp > 1:

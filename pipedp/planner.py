@@ -20,7 +20,10 @@ from .pipeline.schedule import Action, get_schedule
 from .pipeline.simulate import Simulation, simulate
 from .plan import Plan, StagePlan
 
-__all__ = ["StagesSpec", "stage_devices", "stage_places", "resolve_counts", "simulate_plan", "build_plan"]
+__all__ = [
+    "StagesSpec", "stage_devices", "stage_places", "stage_times", "action_durations", "resolve_counts",
+    "simulate_plan", "build_plan",
+]
 
 StagesSpec = Union[int, str, Sequence[int]]
 
@@ -57,6 +60,18 @@ def _per_stage(profiles: Sequence[BlockProfile], counts: Sequence[int]) -> list[
     return out
 
 
+def stage_times(profiles: Sequence[BlockProfile], counts: Sequence[int]) -> tuple[list[float], list[float]]:
+    """Forward and backward ms of each stage of the cut ``counts`` (the sums of its blocks)."""
+    groups = _per_stage(profiles, counts)
+    return [sum(p.forward_ms for p in g) for g in groups], [sum(p.backward_ms for p in g) for g in groups]
+
+
+def action_durations(fwd: Sequence[float], bwd: Sequence[float], overhead_ms: float = 0.0) \
+        -> Callable[[int, Action], float]:
+    """Duration of each schedule action from per-stage forward and backward times (for the simulator)."""
+    return lambda s, a: (fwd[s] if a.kind == "F" else bwd[s]) + overhead_ms
+
+
 def _serial(device: torch.device) -> bool:
     """Does this device run all stages' work one after another (no streams)?"""
     return device.type != "cuda"
@@ -71,19 +86,15 @@ def simulate_plan(
     ranks: int = 1,
 ) -> Simulation:
     """Simulated step of the cut ``counts`` with per-stage times from the profiles."""
-    groups = _per_stage(profiles, counts)
     devs = stage_places(len(counts), devices, ranks)
-    fwd = [sum(p.forward_ms for p in g) for g in groups]
-    bwd = [sum(p.backward_ms for p in g) for g in groups]
+    fwd, bwd = stage_times(profiles, counts)
+    ends = [sum(counts[: s + 1]) - 1 for s in range(len(counts))]
     for s in range(len(counts) - 1):
         if devs[s] != devs[s + 1]:
-            t = groups[s][-1].output_bytes / LINK_BYTES_PER_S * 1e3
+            t = profiles[ends[s]].output_bytes / LINK_BYTES_PER_S * 1e3
             fwd[s] += t
             bwd[s + 1] += t
-
-    def duration(s: int, a: Action) -> float:
-        return (fwd[s] if a.kind == "F" else bwd[s]) + ACTION_OVERHEAD_MS
-
+    duration = action_durations(fwd, bwd, ACTION_OVERHEAD_MS)
     keys = [f"{r}/{d}" if _serial(d) else f"{r}/{d}/stream{s}" for s, (r, d) in enumerate(devs)]
     resources = [keys.index(k) for k in keys]
     return simulate(get_schedule(schedule)(len(counts), microbatches), duration=duration, resources=resources)

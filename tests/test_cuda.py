@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import pipedp
-from experiments.models import resnet18, resnet50
+from pipedp.models import resnet18, resnet50
 from tests.reference import clone, data, max_diff, plain_steps, sequential_cnn
 
 pytestmark = [
@@ -100,7 +100,7 @@ def test_cuda_graph_steps_equal_eager_training(stages, microbatches):
     batches = cuda_batches(steps=6)
     engine = wrap(model, stages=stages, microbatches=microbatches, cuda_graph=True)
     losses = [engine.train_step(x, y) for x, y in batches]
-    assert engine._graph.captures == 1 and engine._graph.replays == 4
+    assert engine._runner.graph.captures == 1 and engine._runner.graph.replays == 4
     plain_steps(ref, batches, microbatches=microbatches)
     assert max_diff(model, ref) <= TOL
     assert all(torch.isfinite(l).item() for l in losses)
@@ -124,7 +124,7 @@ def test_cuda_graph_follows_a_learning_rate_change_and_a_new_batch_shape():
         opt.zero_grad()
         nn.functional.cross_entropy(ref(x), y).backward()
         opt.step()
-    assert engine._graph.captures >= 2  # the lr change forced a new capture
+    assert engine._runner.graph.captures >= 2  # the lr change forced a new capture
     assert max_diff(model, ref) <= TOL
 
 
@@ -139,7 +139,7 @@ def test_loading_a_checkpoint_recaptures_the_graph():
     engine.load_state_dict(engine.state_dict())  # new optimizer state tensors
     for x, y in batches[4:]:
         engine.train_step(x, y)
-    assert engine._graph.captures == 2
+    assert engine._runner.graph.captures == 2
     plain_steps(ref, batches, microbatches=2)
     assert max_diff(model, ref) <= TOL
 

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import pipedp
-from experiments.models import resnet18, resnet50
+from pipedp.models import resnet18, resnet50
 from tests.reference import clone, data, max_diff, plain_steps, sequential_cnn
 
 TOL = 1e-5

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 import pipedp
-from experiments.models import resnet18
+from pipedp.models import resnet18
 from tests import multiproc
 from tests.reference import clone, data, plain_steps, sequential_cnn
 

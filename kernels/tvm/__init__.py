@@ -1,5 +1,21 @@
 """The compiler side: depthwise-convolution kernels generated, tuned and exported with apache-tvm.
 
 Nothing here is imported at training time; pipedp loads the exported
-libraries with the TVM runtime only (``pipedp.ops``).
+libraries with the TVM runtime only (``pipedp.ops``), and what both sides
+need (problems, records, layouts, artifact checks) lives there. The parts
+have one role each, as TVM's MetaSchedule separates them, so a part can be
+replaced (a builder in worker processes, a runner on a machine without the
+compiler) without touching the others:
+
+- ``ops``, ``ops_nhwc``: the three operators as tensor expressions;
+- ``space``: knobs and configs; ``template``: the schedule-template
+  interface and its registry by (target kind, layout), filled by ``cpu``,
+  ``cpu_nhwc`` and ``cuda``;
+- ``target``: compilation targets and the names records give them;
+- ``builder``: config to compiled, loadable kernel (with ``streaming`` and
+  ``offline_cuda``); ``runner``: check against torch and time;
+- ``cost_model``: the model, its features, the history between problems;
+  ``tuner``: the search;
+- ``export``: one library per target; ``cli``: ``tune-kernels``;
+- ``roofline``, ``allocator``: measuring aids.
 """

@@ -1,12 +1,12 @@
 """Timing kernels, not the allocator: freed memory kept for reuse in measuring processes.
 
 glibc serves blocks above 32 MiB with a fresh mmap and unmaps them on free,
-so every large output of every op page-faults all its pages again (about
-10 ms for 50 MB on our CPU VM, more than the convolution itself), and the
-cost swings from call to call with the allocator's state. Tuned under that,
-a 40 MB problem's configs were ranked by fault noise, and torch's time (its
-oneDNN path allocates more) came out 3-4x too slow, so ``kernels="auto"``
-took kernels that lose in training. jemalloc and tcmalloc, which PyTorch's
+so every large output of every op page-faults all its pages again (which
+can cost more than the convolution itself), and the cost swings from call
+to call with the allocator's state. Tuned under that, a large problem's
+configs are ranked by fault noise, and torch's time (its oneDNN path
+allocates more) comes out too slow, so ``kernels="auto"`` would take
+kernels that lose in training. jemalloc and tcmalloc, which PyTorch's
 CPU guide recommends, reuse freed memory; :func:`reuse_freed_memory` makes
 glibc do the same (no mmap'd blocks, no heap trimming; its bins settle
 after about eight allocations of a size, well inside a timing loop whose

@@ -20,59 +20,76 @@ sums (rfactor), which are added up once at the end:
         w_outer
           r, s (unrolled)
             lanes (vectorised partial sums)
+
+Registered as the template of CPU (``llvm``) targets for NCHW activations.
 """
 
 from __future__ import annotations
+
+import math
 
 from tvm import s_tir
 
 from .ops import DepthwiseConv
 from .space import Config, InvalidConfig, Knob, Space, divisors
+from .template import has_pad, register
 
-__all__ = ["space", "apply", "validate", "features"]
+__all__ = ["CpuTemplate", "TEMPLATE"]
 
 _TILE_H = (1, 2, 4, 7, 8, 14, 16, 28, 32)
 
 
-def _has_pad(conv: DepthwiseConv, op: str) -> bool:
-    return op == "dgrad" or conv.padding != (0, 0)
+class CpuTemplate:
+    """NCHW activations on a CPU (see the module docstring for the loop nests)."""
 
+    name = "cpu"
 
-def space(conv: DepthwiseConv, op: str) -> Space:
-    """The knobs of the CPU template for ``op`` on ``conv``."""
-    oh, ow = conv.out_hw
-    pad = ("tile", "inline") if _has_pad(conv, op) else ("none",)
-    if op == "wgrad":
-        return Space("cpu-wgrad", (
-            Knob("lanes", divisors(ow, 16), "w positions summed as one vector of partial sums"),
-            Knob("pad", ("row", "inline") if _has_pad(conv, op) else ("none",), "pad input rows in a buffer or on the fly"),
+    def space(self, conv: DepthwiseConv, op: str) -> Space:
+        oh, ow = conv.out_hw
+        pad = ("tile", "inline") if has_pad(conv, op) else ("none",)
+        if op == "wgrad":
+            return Space("cpu-wgrad", (
+                Knob("lanes", divisors(ow, 16), "w positions summed as one vector of partial sums"),
+                Knob("pad", ("row", "inline") if has_pad(conv, op) else ("none",),
+                     "pad input rows in a buffer or on the fly"),
+                Knob("unroll", (1, 0), "unroll the kernel taps"),
+            ))
+        h, w = (oh, ow) if op == "fwd" else (conv.h, conv.w)
+        return Space(f"cpu-{op}", (
+            Knob("tile_h", tuple(t for t in _TILE_H if h % t == 0) or (1,), "output rows per task"),
+            Knob("tile_w", divisors(w, 32), "vectorised output columns"),
+            Knob("pad", pad, "padded input per task (tile) or computed on the fly (inline)"),
+            Knob("cache", (1, 0), "accumulate the tile in registers"),
             Knob("unroll", (1, 0), "unroll the kernel taps"),
         ))
-    h, w = (oh, ow) if op == "fwd" else (conv.h, conv.w)
-    return Space(f"cpu-{op}", (
-        Knob("tile_h", tuple(t for t in _TILE_H if h % t == 0) or (1,), "output rows per task"),
-        Knob("tile_w", divisors(w, 32), "vectorised output columns"),
-        Knob("pad", pad, "padded input per task (tile) or computed on the fly (inline)"),
-        Knob("cache", (1, 0), "accumulate the tile in registers"),
-        Knob("unroll", (1, 0), "unroll the kernel taps"),
-    ))
+
+    def validate(self, conv: DepthwiseConv, op: str, config: Config) -> None:
+        """Over 512 accumulators in a tile spill registers."""
+        self.space(conv, op).check(config)
+        if op != "wgrad" and config["tile_h"] * config["tile_w"] > 512:
+            raise InvalidConfig(f"tile {config['tile_h']}x{config['tile_w']} is over 512 accumulators: registers spill")
+
+    def apply(self, sch: s_tir.Schedule, conv: DepthwiseConv, op: str, config: Config) -> s_tir.Schedule:
+        self.validate(conv, op, config)
+        if op == "wgrad":
+            _wgrad(sch, conv, config)
+        else:
+            _conv_like(sch, op, config, pad_name="pad" if op == "fwd" else "dy_pad", has_pad=has_pad(conv, op))
+        return sch
+
+    def features(self, conv: DepthwiseConv, op: str, config: Config) -> list[float]:
+        """Tile area, vector width, tasks, padded work."""
+        oh, ow = conv.out_hw
+        if op == "wgrad":
+            return [math.log2(config["lanes"]), float(conv.out_channels), float(conv.kernel[0] * conv.kernel[1])]
+        h = oh if op == "fwd" else conv.h
+        tasks = conv.n * (conv.out_channels if op == "fwd" else conv.c) * (h // config["tile_h"])
+        area = config["tile_h"] * config["tile_w"]
+        halo = (config["tile_h"] + conv.kernel[0] - 1) / config["tile_h"]
+        return [math.log2(area), math.log2(tasks), float(config["tile_w"] % 8 == 0), halo]
 
 
-def validate(conv: DepthwiseConv, op: str, config: Config) -> None:
-    """Reject a config that does not fit the template (before compiling)."""
-    space(conv, op).check(config)
-    if op != "wgrad" and config["tile_h"] * config["tile_w"] > 512:
-        raise InvalidConfig(f"tile {config['tile_h']}x{config['tile_w']} is over 512 accumulators: registers spill")
-
-
-def apply(sch: s_tir.Schedule, conv: DepthwiseConv, op: str, config: Config) -> s_tir.Schedule:
-    """Schedule the operator's prim func in ``sch`` (in place) as ``config`` says; returns ``sch``."""
-    validate(conv, op, config)
-    if op == "wgrad":
-        _wgrad(sch, conv, config)
-    else:
-        _conv_like(sch, op, config, pad_name="pad" if op == "fwd" else "dy_pad", has_pad=_has_pad(conv, op))
-    return sch
+TEMPLATE = register("llvm", "NCHW", CpuTemplate())
 
 
 def _conv_like(sch: s_tir.Schedule, op: str, cfg: Config, pad_name: str, has_pad: bool) -> None:
@@ -126,16 +143,3 @@ def _wgrad(sch: s_tir.Schedule, conv: DepthwiseConv, cfg: Config) -> None:
     fo = sch.get_loops(out)[0]
     sch.parallel(fo)
 
-
-def features(conv: DepthwiseConv, op: str, config: Config) -> list[float]:
-    """Loop-structure features for the cost model: tile area, vector width, tasks, padded work."""
-    import math
-
-    oh, ow = conv.out_hw
-    if op == "wgrad":
-        return [math.log2(config["lanes"]), float(conv.out_channels), float(conv.kernel[0] * conv.kernel[1])]
-    h = oh if op == "fwd" else conv.h
-    tasks = conv.n * (conv.out_channels if op == "fwd" else conv.c) * (h // config["tile_h"])
-    area = config["tile_h"] * config["tile_w"]
-    halo = (config["tile_h"] + conv.kernel[0] - 1) / config["tile_h"]
-    return [math.log2(area), math.log2(tasks), float(config["tile_w"] % 8 == 0), halo]

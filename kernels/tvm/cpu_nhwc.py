@@ -33,6 +33,8 @@ registers, but a task reads one vector per pixel, ``c`` floats apart, and
 the prefetchers fetch its neighbours for nothing; with ``order=pixel`` a task
 reads every channel of ``tile_w`` pixels (contiguous) and keeps its
 kh*kw*c partial sums in L1.
+
+Registered as the template of CPU (``llvm``) targets for NHWC activations.
 """
 
 from __future__ import annotations
@@ -44,40 +46,13 @@ from tvm import s_tir
 from . import streaming
 from .ops import DepthwiseConv
 from .space import Config, InvalidConfig, Knob, Space, divisors
+from .template import has_pad, register
 
-__all__ = ["space", "apply", "validate", "features"]
+__all__ = ["CpuNhwcTemplate", "TEMPLATE"]
 
 
 def _vectors(channels: int) -> tuple[int, ...]:
     return tuple(v for v in (32, 16, 8, 4) if channels % v == 0) or (1,)
-
-
-def space(conv: DepthwiseConv, op: str) -> Space:
-    oh, ow = conv.out_hw
-    layout = Knob("layout", ("NHWC",), "activations stored (n, h, w, c)")
-    if op == "wgrad":
-        return Space("cpu-nhwc-wgrad", (
-            layout,
-            Knob("vec", _vectors(conv.out_channels), "channels per vector"),
-            Knob("nsplit", tuple(d for d in (1, 2, 4, 8, 16) if conv.n % d == 0), "parallel partial sums over n"),
-            Knob("unroll", (1, 0), "unroll the kernel taps"),
-            Knob("tile_w", divisors(ow, 8), "output pixels whose taps share the input vectors they load", since=1),
-            Knob("order", ("channel", "pixel"), "a task sweeps the pixels for its channel block, or every channel "
-                 "of its pixels", since="channel"),
-        ))
-    width, channels = (ow, conv.out_channels) if op == "fwd" else (conv.w, conv.c)
-    knobs = (
-        layout,
-        Knob("vec", _vectors(channels), "channels per vector"),
-        Knob("tile_w", divisors(width, 8), "pixels per register tile"),
-        Knob("task", ("row", "block"), "a parallel task is an output row, or a row x channel block"),
-        Knob("cache", (1, 0), "accumulate the tile in a local buffer"),
-        Knob("unroll", (1, 0), "unroll the kernel taps"),
-    )
-    if _can_stream(conv, op):
-        knobs += (Knob("stream", (0, 1), "write the output with streaming stores (no read of the lines it fills)",
-                       since=0),)
-    return Space(f"cpu-nhwc-{op}", knobs)
 
 
 def _can_stream(conv: DepthwiseConv, op: str) -> bool:
@@ -85,28 +60,78 @@ def _can_stream(conv: DepthwiseConv, op: str) -> bool:
     return streaming.available() and conv.output_bytes(op) >= streaming.MIN_BYTES
 
 
-def validate(conv: DepthwiseConv, op: str, config: Config) -> None:
-    space(conv, op).check(config)
-    if op != "wgrad" and config["tile_w"] * config["vec"] > 16 * 16:
-        raise InvalidConfig(f"tile {config['tile_w']}x{config['vec']} is over 16 vector registers")
-    if config.get("stream") and not (config["cache"] and config["vec"] >= 4):
-        raise InvalidConfig("stream=1 needs cache=1 and vec >= 4: each output vector is stored once, from the tile")
-    if op == "wgrad" and config["tile_w"] * config["vec"] > 8 * 16:
-        raise InvalidConfig(f"tile {config['tile_w']}x{config['vec']} and the taps' accumulators are over the registers")
-    if op == "wgrad" and config["order"] == "channel" and conv.kernel[0] * conv.kernel[1] * config["vec"] > 49 * 16:
-        raise InvalidConfig(f"{conv.kernel} taps x {config['vec']} channels is over the register file")
-    if op == "wgrad" and config["order"] == "pixel" and config["nsplit"] < 2:
-        raise InvalidConfig("order=pixel parallelises over the n splits only: it needs nsplit >= 2")
+class CpuNhwcTemplate:
+    """NHWC activations on a CPU (see the module docstring for the loop nests)."""
+
+    name = "cpu-nhwc"
+
+    def space(self, conv: DepthwiseConv, op: str) -> Space:
+        oh, ow = conv.out_hw
+        layout = Knob("layout", ("NHWC",), "activations stored (n, h, w, c)")
+        if op == "wgrad":
+            return Space("cpu-nhwc-wgrad", (
+                layout,
+                Knob("vec", _vectors(conv.out_channels), "channels per vector"),
+                Knob("nsplit", tuple(d for d in (1, 2, 4, 8, 16) if conv.n % d == 0), "parallel partial sums over n"),
+                Knob("unroll", (1, 0), "unroll the kernel taps"),
+                Knob("tile_w", divisors(ow, 8), "output pixels whose taps share the input vectors they load", since=1),
+                Knob("order", ("channel", "pixel"), "a task sweeps the pixels for its channel block, or every channel "
+                     "of its pixels", since="channel"),
+            ))
+        width, channels = (ow, conv.out_channels) if op == "fwd" else (conv.w, conv.c)
+        knobs = (
+            layout,
+            Knob("vec", _vectors(channels), "channels per vector"),
+            Knob("tile_w", divisors(width, 8), "pixels per register tile"),
+            Knob("task", ("row", "block"), "a parallel task is an output row, or a row x channel block"),
+            Knob("cache", (1, 0), "accumulate the tile in a local buffer"),
+            Knob("unroll", (1, 0), "unroll the kernel taps"),
+        )
+        if _can_stream(conv, op):
+            knobs += (Knob("stream", (0, 1), "write the output with streaming stores (no read of the lines it fills)",
+                           since=0),)
+        return Space(f"cpu-nhwc-{op}", knobs)
+
+    def validate(self, conv: DepthwiseConv, op: str, config: Config) -> None:
+        """Register tiles that fit the vector registers; streaming only from a register tile (before compiling)."""
+        self.space(conv, op).check(config)
+        if op != "wgrad" and config["tile_w"] * config["vec"] > 16 * 16:
+            raise InvalidConfig(f"tile {config['tile_w']}x{config['vec']} is over 16 vector registers")
+        if config.get("stream") and not (config["cache"] and config["vec"] >= 4):
+            raise InvalidConfig("stream=1 needs cache=1 and vec >= 4: each output vector is stored once, from the tile")
+        if op == "wgrad" and config["tile_w"] * config["vec"] > 8 * 16:
+            raise InvalidConfig(f"tile {config['tile_w']}x{config['vec']} and the taps' accumulators are over the "
+                                "registers")
+        if op == "wgrad" and config["order"] == "channel" and conv.kernel[0] * conv.kernel[1] * config["vec"] > 49 * 16:
+            raise InvalidConfig(f"{conv.kernel} taps x {config['vec']} channels is over the register file")
+        if op == "wgrad" and config["order"] == "pixel" and config["nsplit"] < 2:
+            raise InvalidConfig("order=pixel parallelises over the n splits only: it needs nsplit >= 2")
+
+    def apply(self, sch: s_tir.Schedule, conv: DepthwiseConv, op: str, config: Config) -> s_tir.Schedule:
+        self.validate(conv, op, config)
+        if op == "wgrad":
+            _wgrad(sch, conv, config)
+        else:
+            sch.parallel(sch.get_loops(sch.get_sblock("wT"))[0])  # (kh, kw, c): small next to the convolution
+            _conv_like(sch, conv, op, config)
+        return sch
+
+    def features(self, conv: DepthwiseConv, op: str, config: Config) -> list[float]:
+        """Vector width, parallel tasks, register tile size, channels (and grad-weight's sweep order)."""
+        oh, ow = conv.out_hw
+        channels = conv.out_channels if op != "dgrad" else conv.c
+        blocks = channels / config["vec"]
+        if op == "wgrad":
+            tasks = config["nsplit"] * (blocks if config["order"] == "channel" else 1)
+            return [math.log2(config["vec"]), math.log2(tasks), math.log2(config["tile_w"]),
+                    float(config["order"] == "pixel")]
+        rows = conv.n * (oh if op == "fwd" else conv.h)
+        tasks = rows * (blocks if config["task"] == "block" else 1)
+        return [math.log2(config["vec"]), math.log2(tasks), math.log2(config["tile_w"] * config["vec"]),
+                float(channels)]
 
 
-def apply(sch: s_tir.Schedule, conv: DepthwiseConv, op: str, config: Config) -> s_tir.Schedule:
-    validate(conv, op, config)
-    if op == "wgrad":
-        _wgrad(sch, conv, config)
-    else:
-        sch.parallel(sch.get_loops(sch.get_sblock("wT"))[0])  # (kh, kw, c): a few µs
-        _conv_like(sch, conv, op, config)
-    return sch
+TEMPLATE = register("llvm", "NHWC", CpuNhwcTemplate())
 
 
 def _conv_like(sch: s_tir.Schedule, conv: DepthwiseConv, op: str, cfg: Config) -> None:
@@ -123,7 +148,7 @@ def _conv_like(sch: s_tir.Schedule, conv: DepthwiseConv, op: str, cfg: Config) -
     task = sch.fuse(n, i, co) if block else sch.fuse(n, i)
     sch.parallel(task)
     pad = "pad" if op == "fwd" else "dy_pad"
-    if op == "dgrad" or conv.padding != (0, 0):
+    if has_pad(conv, op):
         sch.compute_inline(sch.get_sblock(pad))
     if cfg["unroll"]:
         for t in taps:
@@ -168,14 +193,3 @@ def _wgrad(sch: s_tir.Schedule, conv: DepthwiseConv, cfg: Config) -> None:
     sch.vectorize(oi)
     sch.decompose_reduction(blk, n1)
 
-
-def features(conv: DepthwiseConv, op: str, config: Config) -> list[float]:
-    oh, ow = conv.out_hw
-    channels = conv.out_channels if op != "dgrad" else conv.c
-    blocks = channels / config["vec"]
-    if op == "wgrad":
-        tasks = config["nsplit"] * (blocks if config["order"] == "channel" else 1)
-        return [math.log2(config["vec"]), math.log2(tasks), math.log2(config["tile_w"]), float(config["order"] == "pixel")]
-    rows = conv.n * (oh if op == "fwd" else conv.h)
-    tasks = rows * (blocks if config["task"] == "block" else 1)
-    return [math.log2(config["vec"]), math.log2(tasks), math.log2(config["tile_w"] * config["vec"]), float(channels)]

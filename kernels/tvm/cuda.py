@@ -25,86 +25,112 @@ Grad-weight sums over (n, h, w) for the few taps of a channel:
                    all kh*kw taps held in registers (rfactor)
       shared       the threads' partial sums
       threadIdx.x  one tap per thread: sum of the partials
+
+Registered as the template of CUDA targets for NCHW activations (torch's
+native depthwise layout there; there is no NHWC one).
 """
 
 from __future__ import annotations
+
+import math
 
 from tvm import s_tir
 
 from .ops import DepthwiseConv
 from .space import Config, InvalidConfig, Knob, Space
+from .template import has_pad, register
 
-__all__ = ["space", "apply", "validate", "features", "shared_bytes"]
+__all__ = ["CudaTemplate", "TEMPLATE", "shared_bytes", "MAX_THREADS", "MAX_SHARED"]
 
-MAX_THREADS = 1024
-MAX_SHARED = 48 * 1024
-
-
-def _has_pad(conv: DepthwiseConv, op: str) -> bool:
-    return op == "dgrad" or conv.padding != (0, 0)
-
-
-def space(conv: DepthwiseConv, op: str) -> Space:
-    if op == "wgrad":
-        return Space("cuda-wgrad", (
-            Knob("threads", (64, 128, 256, 512), "threads summing partials per channel"),
-            Knob("unroll", (0, 16, 64), "auto-unroll limit of the partial-sum loop"),
-        ))
-    return Space(f"cuda-{op}", (
-        Knob("tile_c", (1, 2, 4), "planes per block (threadIdx.z)"),
-        Knob("vt_h", (1, 2), "virtual threads along h"),
-        Knob("vt_w", (1, 2, 4), "virtual threads along w"),
-        Knob("th", (1, 2, 4, 8, 16), "threads along h"),
-        Knob("tw", (4, 8, 16, 32), "threads along w"),
-        Knob("ih", (1, 2, 4), "rows per thread and virtual thread"),
-        Knob("iw", (1, 2), "columns per thread and virtual thread"),
-        Knob("unroll", (0, 16, 64, 512), "auto-unroll limit"),
-    ))
+MAX_THREADS = 1024  # threads per block on every CUDA GPU
+MAX_SHARED = 48 * 1024  # shared memory per block without opting in to more
 
 
 def _extent(conv: DepthwiseConv, op: str) -> tuple[int, int]:
     return conv.out_hw if op == "fwd" else (conv.h, conv.w)
 
 
+def _block_tile(config: Config) -> tuple[int, int]:
+    """Outputs of one block along (h, w): virtual threads x threads x outputs per thread."""
+    return (config["vt_h"] * config["th"] * config["ih"], config["vt_w"] * config["tw"] * config["iw"])
+
+
 def shared_bytes(conv: DepthwiseConv, op: str, config: Config) -> int:
     """Shared memory of one block: the padded input tile plus its filters."""
     (kh, kw), (dh, dw) = conv.kernel, conv.dilation
     (sh, sw) = conv.stride if op == "fwd" else (1, 1)
-    bh = config["vt_h"] * config["th"] * config["ih"]
-    bw = config["vt_w"] * config["tw"] * config["iw"]
+    bh, bw = _block_tile(config)
     chans = config["tile_c"] * (conv.multiplier if op == "dgrad" else 1)
     tile = ((bh - 1) * sh + (kh - 1) * dh + 1) * ((bw - 1) * sw + (kw - 1) * dw + 1)
     size = 4 if conv.dtype == "float32" else 2
     return size * chans * (tile + kh * kw)
 
 
-def validate(conv: DepthwiseConv, op: str, config: Config) -> None:
-    space(conv, op).check(config)
-    if op == "wgrad":
-        return
-    threads = config["tile_c"] * config["th"] * config["tw"]
-    if threads > MAX_THREADS or threads < 32:
-        raise InvalidConfig(f"{threads} threads per block: use 32..{MAX_THREADS}")
-    h, w = _extent(conv, op)
-    bh = config["vt_h"] * config["th"] * config["ih"]
-    bw = config["vt_w"] * config["tw"] * config["iw"]
-    if bh > 2 * h or bw > 2 * w:
-        raise InvalidConfig(f"block tile {bh}x{bw} is more than twice the {h}x{w} output: threads would idle")
-    planes = conv.n * (conv.c if op == "dgrad" else conv.out_channels)
-    if config["tile_c"] > planes:
-        raise InvalidConfig(f"tile_c={config['tile_c']} exceeds the {planes} planes")
-    smem = shared_bytes(conv, op, config)
-    if smem > MAX_SHARED:
-        raise InvalidConfig(f"{smem} bytes of shared memory per block: at most {MAX_SHARED}")
+class CudaTemplate:
+    """NCHW activations on a CUDA GPU (see the module docstring for the loop nests)."""
+
+    name = "cuda"
+
+    def space(self, conv: DepthwiseConv, op: str) -> Space:
+        if op == "wgrad":
+            return Space("cuda-wgrad", (
+                Knob("threads", (64, 128, 256, 512), "threads summing partials per channel"),
+                Knob("unroll", (0, 16, 64), "auto-unroll limit of the partial-sum loop"),
+            ))
+        return Space(f"cuda-{op}", (
+            Knob("tile_c", (1, 2, 4), "planes per block (threadIdx.z)"),
+            Knob("vt_h", (1, 2), "virtual threads along h"),
+            Knob("vt_w", (1, 2, 4), "virtual threads along w"),
+            Knob("th", (1, 2, 4, 8, 16), "threads along h"),
+            Knob("tw", (4, 8, 16, 32), "threads along w"),
+            Knob("ih", (1, 2, 4), "rows per thread and virtual thread"),
+            Knob("iw", (1, 2), "columns per thread and virtual thread"),
+            Knob("unroll", (0, 16, 64, 512), "auto-unroll limit"),
+        ))
+
+    def validate(self, conv: DepthwiseConv, op: str, config: Config) -> None:
+        """At least a warp per block and at most the block limit; no block tile that mostly idles; shared
+        memory within the per-block limit."""
+        self.space(conv, op).check(config)
+        if op == "wgrad":
+            return
+        threads = config["tile_c"] * config["th"] * config["tw"]
+        if threads > MAX_THREADS or threads < 32:
+            raise InvalidConfig(f"{threads} threads per block: use 32..{MAX_THREADS}")
+        h, w = _extent(conv, op)
+        bh, bw = _block_tile(config)
+        if bh > 2 * h or bw > 2 * w:
+            raise InvalidConfig(f"block tile {bh}x{bw} is more than twice the {h}x{w} output: threads would idle")
+        planes = conv.n * (conv.c if op == "dgrad" else conv.out_channels)
+        if config["tile_c"] > planes:
+            raise InvalidConfig(f"tile_c={config['tile_c']} exceeds the {planes} planes")
+        smem = shared_bytes(conv, op, config)
+        if smem > MAX_SHARED:
+            raise InvalidConfig(f"{smem} bytes of shared memory per block: at most {MAX_SHARED}")
+
+    def apply(self, sch: s_tir.Schedule, conv: DepthwiseConv, op: str, config: Config) -> s_tir.Schedule:
+        self.validate(conv, op, config)
+        if op == "wgrad":
+            _wgrad(sch, conv, config)
+        else:
+            _conv_like(sch, conv, op, config)
+        return sch
+
+    def features(self, conv: DepthwiseConv, op: str, config: Config) -> list[float]:
+        """Threads, outputs per thread, block tile, wasted edge work, shared bytes."""
+        if op == "wgrad":
+            work = conv.n * conv.out_hw[0] * conv.out_hw[1]
+            return [math.log2(config["threads"]), math.log2(max(1.0, work / config["threads"]))]
+        threads = config["tile_c"] * config["th"] * config["tw"]
+        per_thread = config["vt_h"] * config["vt_w"] * config["ih"] * config["iw"]
+        bh, bw = _block_tile(config)
+        h, w = _extent(conv, op)
+        waste = (math.ceil(h / bh) * bh * math.ceil(w / bw) * bw) / (h * w)
+        return [math.log2(threads), math.log2(per_thread), math.log2(bh * bw), waste,
+                math.log2(shared_bytes(conv, op, config))]
 
 
-def apply(sch: s_tir.Schedule, conv: DepthwiseConv, op: str, config: Config) -> s_tir.Schedule:
-    validate(conv, op, config)
-    if op == "wgrad":
-        _wgrad(sch, conv, config)
-    else:
-        _conv_like(sch, conv, op, config)
-    return sch
+TEMPLATE = register("cuda", "NCHW", CudaTemplate())
 
 
 def _cooperative_fetch(sch: s_tir.Schedule, block: s_tir.SBlockRV, at: s_tir.LoopRV, threads: list[int]) -> None:
@@ -146,7 +172,7 @@ def _conv_like(sch: s_tir.Schedule, conv: DepthwiseConv, op: str, cfg: Config) -
     local = sch.cache_write(out, 0, "local")
     sch.reverse_compute_at(local, tx)
     threads = [cfg["tile_c"], cfg["th"], cfg["tw"]]
-    if _has_pad(conv, op):
+    if has_pad(conv, op):
         pad = sch.get_sblock("pad" if op == "fwd" else "dy_pad")
         sch.set_scope(pad, 0, "shared")
         _cooperative_fetch(sch, pad, block, threads)
@@ -187,19 +213,3 @@ def _wgrad(sch: s_tir.Schedule, conv: DepthwiseConv, cfg: Config) -> None:
     sch.unroll(rs)
     sch.decompose_reduction(rf, rro)
 
-
-def features(conv: DepthwiseConv, op: str, config: Config) -> list[float]:
-    """Loop-structure features for the cost model: threads, outputs per thread, block tile, shared bytes."""
-    import math
-
-    if op == "wgrad":
-        work = conv.n * conv.out_hw[0] * conv.out_hw[1]
-        return [math.log2(config["threads"]), math.log2(max(1.0, work / config["threads"]))]
-    threads = config["tile_c"] * config["th"] * config["tw"]
-    per_thread = config["vt_h"] * config["vt_w"] * config["ih"] * config["iw"]
-    bh = config["vt_h"] * config["th"] * config["ih"]
-    bw = config["vt_w"] * config["tw"] * config["iw"]
-    h, w = _extent(conv, op)
-    waste = (math.ceil(h / bh) * bh * math.ceil(w / bw) * bw) / (h * w)
-    return [math.log2(threads), math.log2(per_thread), math.log2(bh * bw), waste,
-            math.log2(shared_bytes(conv, op, config))]

@@ -15,10 +15,11 @@ from typing import Any
 
 import tvm
 
-from . import records as rec
-from .artifact import cpu_flags, sha256
-from .build import Target, compile_module, schedule, streamed, target_key
+from pipedp.ops import records as rec
+from pipedp.ops.artifact import cpu_flags, sha256
+from .builder import compile_module, schedule, streamed
 from .ops import DepthwiseConv
+from .target import Target, target_key
 
 __all__ = ["export", "library_name", "versions"]
 

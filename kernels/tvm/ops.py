@@ -23,8 +23,8 @@ from typing import Any
 
 from tvm import te, tirx
 
-from .layout import LAYOUTS
-from .problem import OPS, DepthwiseConv
+from pipedp.ops.layout import LAYOUTS
+from pipedp.ops.problem import OPS, DepthwiseConv
 
 __all__ = ["DepthwiseConv", "OPS", "LAYOUTS", "compute"]
 

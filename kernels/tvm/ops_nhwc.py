@@ -17,7 +17,7 @@ from typing import Any
 
 from tvm import te, tirx
 
-from .problem import DepthwiseConv
+from pipedp.ops.problem import DepthwiseConv
 
 __all__ = ["forward", "grad_input", "grad_weight", "activation_shape"]
 

@@ -2,8 +2,8 @@
 
 Depthwise convolutions do a few multiply-adds per byte, so moving their
 operands once is the floor. On a CPU the floor depends on where those bytes
-live: a 12 MB problem runs from the last-level cache, a 400 MB one from DRAM,
-so the copy is timed at the problem's own size. The copy uses plain stores,
+live: a problem that fits the last-level cache runs from it, a larger one
+from DRAM, so the copy is timed at the problem's own size. The copy uses plain stores,
 which read each line before writing it (write-allocate); a kernel that
 writes a large output with streaming stores (:mod:`.streaming`) skips that
 read and lands past this bound, by up to half of its write traffic. On a
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from .problem import DepthwiseConv
+from pipedp.ops.problem import DepthwiseConv
 
 __all__ = ["copy_us", "bound_us"]
 

@@ -1,9 +1,10 @@
 """Search spaces as data: named knobs with finite choices, and configs that pick one of each.
 
-A schedule template (``cpu.py``, ``cuda.py``) declares the knobs it reads for
-a problem; a :class:`Config` is a plain mapping from knob name to choice, so
-it is JSON in the records, a feature vector for the cost model, and the only
-input (besides the problem) of the template's pure ``apply``. Constraints
+A schedule template (:class:`~.template.Template`: ``cpu.py``,
+``cpu_nhwc.py``, ``cuda.py``) declares the knobs it reads for a problem; a
+:class:`Config` is a plain mapping from knob name to choice, so it is JSON
+in the records, a feature vector for the cost model, and the only input
+(besides the problem) of the template's pure ``apply``. Constraints
 that depend on several knobs at once (threads per block, shared memory) are
 checked by the template's ``validate`` before anything is compiled.
 """
@@ -96,7 +97,8 @@ class Space:
         out = []
         for k in self.knobs:
             v = config[k.name]
-            out.append(float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else float(k.choices.index(v)))
+            numeric = isinstance(v, (int, float)) and not isinstance(v, bool)
+            out.append(float(v) if numeric else float(k.choices.index(v)))
         return out
 
     def all(self) -> Iterator[Config]:

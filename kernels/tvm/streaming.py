@@ -1,10 +1,8 @@
 """Non-temporal (streaming) stores for a CPU kernel's output.
 
 A plain store first reads the cache line it writes (write-allocate), so a
-kernel whose output does not stay in cache moves its output bytes twice: on
-the 2-vCPU Xeon of our results, writing 58 MB took 4.8 ms with plain AVX-512
-stores and 2.2 ms with streaming ones, and the forward depthwise of a
-112x112x32 batch-32 layer went from 3.4-4.4 ms to 2.1 ms. TVM has no way to
+kernel whose output does not stay in cache moves its output bytes twice;
+a streaming store writes the line without reading it. TVM has no way to
 ask for such stores, so this is a pass over the LLVM IR it generates: every
 vector store whose address derives from the kernel's output buffer gets
 ``!nontemporal`` (LLVM then emits ``vmovntps``), each function that streams
@@ -25,11 +23,14 @@ import os
 import platform
 import re
 import tempfile
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Mapping, Protocol
+
+if TYPE_CHECKING:
+    from .builder import Compiled
 
 __all__ = ["MIN_BYTES", "available", "mark", "compile_streaming", "StreamingError"]
 
-MIN_BYTES = 16 << 20  # 4x the L2 of two cores; plain stores fall off between 16 and 58 MB here
+MIN_BYTES = 16 << 20  # several times the L2 of the cores a process runs on: such outputs leave the cache anyway
 
 _DEFINE = re.compile(r"^define [^@]*@([\w.$]+)\(")
 _VALUE = re.compile(r"%[\w.$]+")
@@ -125,7 +126,13 @@ def mark(ll: str, kernels: Mapping[str, str]) -> str:
     return text + f"\n!{tag} = !{{i32 1}}\n"
 
 
-def compile_streaming(module: Any, kernels: Mapping[str, str]) -> Any:
+class LLVMModule(Protocol):
+    """A compiled CPU module that shows the LLVM IR it was compiled from."""
+
+    def inspect_source(self, fmt: str = "") -> str: ...
+
+
+def compile_streaming(module: LLVMModule, kernels: Mapping[str, str]) -> Compiled:
     """A compiled CPU module rebuilt from its LLVM IR with ``kernels``' output stores streaming."""
     import tvm_ffi
 

@@ -13,16 +13,17 @@ import ctypes
 import importlib.util
 import os
 import threading
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from kernels.tvm import parallel
-from kernels.tvm import records as rec
-from kernels.tvm.artifact import cpu_flags, sha256
-from kernels.tvm.problem import DepthwiseConv
+from . import parallel
+from . import records as rec
+from .artifact import cpu_flags, sha256
+from .problem import DepthwiseConv
 
-__all__ = ["KernelLibrary", "load_library", "default_db", "runtime_folder", "target_for"]
+__all__ = ["KernelLibrary", "KernelChoice", "load_library", "library", "default_db", "runtime_folder", "target_for"]
 
 _lock = threading.Lock()
 _loaded_runtime: set[str] = set()
@@ -71,31 +72,48 @@ def target_for(device: torch.device) -> str | None:
 
 
 class KernelLibrary:
-    """The kernels exported for one target, ready to call with torch tensors."""
+    """The kernels exported for one target, ready to call with torch tensors.
+
+    Which of them a layer runs is the layer's choice (:class:`KernelChoice`);
+    the library only answers lookups, so two models in one process can use it
+    with different policies.
+    """
 
     def __init__(self, db: str, export: dict[str, Any]) -> None:
         self.db = db
-        self.target = export["target"]
-        self.path = os.path.join(db, export["library"])
+        try:
+            self.target = str(export["target"])
+            self.path = os.path.join(db, export["library"])
+            self.sha256 = str(export["sha256"])
+            self.kernels: dict[str, str] = dict(export["kernels"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise RuntimeError(
+                f"the export record for {db} is malformed ({type(e).__name__}: {e}): run tune-kernels again to "
+                f"re-export the kernels"
+            ) from None
         if not os.path.exists(self.path):
             raise RuntimeError(f"the kernel library {self.path} is missing: run tune-kernels again to export it")
         digest = sha256(self.path)
-        if digest != export["sha256"]:
+        if digest != self.sha256:
             raise RuntimeError(
-                f"refusing to load {self.path}: its sha256 {digest[:16]}... is not the exported {export['sha256'][:16]}... "
+                f"refusing to load {self.path}: its sha256 {digest[:16]}... is not the exported {self.sha256[:16]}... "
                 f"(the file was changed or half-written); run tune-kernels again to re-export it"
             )
         tvm_ffi = _load_runtime(self.target.startswith("cuda"))
         self.module = tvm_ffi.load_module(self.path)
         # CPU kernels' parallel loops on torch's OpenMP team (False: they keep TVM's pool)
         self.torch_team = not self.target.startswith("cuda") and parallel.route(self.path)
-        self.kernels: dict[str, str] = dict(export["kernels"])
         self.timings: dict[str, dict[str, Any]] = dict(export.get("timings") or {})
-        self.faster_only = False  # kernels="auto": only kernels that beat torch when they were tuned
         self._funcs: dict[str, Callable[..., Any]] = {}
         self.lookups: dict[tuple, Callable[..., Any] | None] = {}  # pipedp.ops.depthwise's per-signature answers
 
-    def find(self, op: str, problem: DepthwiseConv, layout: str = "NCHW") -> Callable[..., Any] | None:
+    @property
+    def key(self) -> str:
+        """What names this library in a :class:`KernelChoice` (and in the compiled op's arguments)."""
+        return f"{os.path.realpath(self.path)}@{self.sha256}"
+
+    def find(self, op: str, problem: DepthwiseConv, layout: str = "NCHW", faster_only: bool = False) \
+            -> Callable[..., Any] | None:
         """The kernel for ``op`` on ``problem`` with ``layout`` activations, or None (torch runs it).
 
         With ``faster_only`` a kernel whose tuning measured it no faster than
@@ -103,7 +121,7 @@ class KernelLibrary:
         """
         pk = rec.problem_key(op, problem.key(), self.target, layout)
         sym = self.kernels.get(pk)
-        if sym is None or (self.faster_only and not self.beats_torch(pk)):
+        if sym is None or (faster_only and not self.beats_torch(pk)):
             return None
         if sym not in self._funcs:
             self._funcs[sym] = self.module[sym]
@@ -114,6 +132,43 @@ class KernelLibrary:
         t = self.timings.get(problem_key) or {}
         us, base = t.get("us"), t.get("torch_us")
         return not (isinstance(us, (int, float)) and isinstance(base, (int, float))) or us < base
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """What one layer runs: the kernels of ``library`` (a :attr:`KernelLibrary.key`), under a policy.
+
+    ``faster_only`` passes over kernels that measured slower than torch when
+    tuned (``kernels="auto"``); ``strict`` makes a missing kernel an error
+    (``kernels="tvm"``). Plain data, so a model holding it copies and pickles.
+    """
+
+    library: str
+    faster_only: bool = False
+    strict: bool = False
+
+
+# Loaded libraries by key: loading is slow and a library's lookups are worth keeping. Only a cache: which
+# library and policy a layer uses is the layer's own KernelChoice.
+_loaded: dict[str, KernelLibrary] = {}
+
+
+def _remember(lib: KernelLibrary) -> KernelLibrary:
+    with _lock:
+        return _loaded.setdefault(lib.key, lib)
+
+
+def library(key: str) -> KernelLibrary:
+    """The loaded library named ``key`` (loaded again, checked, if this process has not loaded it yet)."""
+    lib = _loaded.get(key)
+    if lib is not None:
+        return lib
+    path, _, digest = key.rpartition("@")
+    db, name = os.path.split(path)
+    for r in reversed(rec.read(os.path.join(db, rec.RECORDS_FILE))):
+        if r.get("kind") == "export" and r.get("library") == name and r.get("sha256") == digest:
+            return _remember(KernelLibrary(db, r))
+    raise RuntimeError(f"no export record of {path} with sha256 {digest[:16]}...: run tune-kernels again")
 
 
 def load_library(db: str, device: torch.device) -> KernelLibrary | None:
@@ -129,4 +184,10 @@ def load_library(db: str, device: torch.device) -> KernelLibrary | None:
         export = exports[-1] if exports else None
     else:
         export = rec.latest_export(records, want)
-    return KernelLibrary(db, export) if export is not None else None
+    if export is None:
+        return None
+    if not isinstance(export.get("library"), str) or not isinstance(export.get("sha256"), str):
+        raise RuntimeError(f"the export record for {db} has no library file or sha256: run tune-kernels again")
+    path = os.path.realpath(os.path.join(db, export["library"]))
+    cached = _loaded.get(f"{path}@{export['sha256']}")
+    return cached if cached is not None else _remember(KernelLibrary(db, export))

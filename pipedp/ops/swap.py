@@ -10,12 +10,10 @@ uses every tuned kernel and makes a missing one an error that names the
 command to run; ``"torch"`` swaps nothing.
 
 On a CPU ``"auto"`` swaps only where the kernels run on torch's OpenMP team
-(:mod:`kernels.tvm.parallel`; that needs a C compiler at first use): on
-TVM's own thread pool beside torch's, kernels that each beat torch alone
-made a MobileNetV2 training step slower (0.89x on 2 vCPUs), while on one
-team they gain (1.02x a step with the streaming-store kernels, whose
-depthwise convolutions are a tenth of the step). ``"tvm"`` uses them either
-way.
+(:mod:`pipedp.ops.parallel`; that needs a C compiler at first use): on
+TVM's own thread pool beside torch's the two pools contend for the cores,
+and a training step ran slower with kernels that each beat torch alone
+(the README has the figures). ``"tvm"`` uses them either way.
 """
 
 from __future__ import annotations
@@ -26,10 +24,9 @@ import os
 import torch
 from torch import nn
 
-from kernels.tvm.layout import layout_of_tensor
-
-from .depthwise import active_library, depthwise_conv2d, load, problem_of
-from .runtime import default_db
+from .depthwise import depthwise_conv2d, problem_of
+from .layout import layout_of_tensor
+from .runtime import KernelChoice, default_db, library, load_library
 
 __all__ = ["TunedDepthwiseConv2d", "is_depthwise", "swap_depthwise", "KERNEL_MODES"]
 
@@ -38,8 +35,9 @@ log = logging.getLogger(__name__)
 
 
 def is_depthwise(m: nn.Module) -> bool:
+    """A plain ``nn.Conv2d`` that the depthwise kernels can compute (or one already swapped onto them)."""
     return (
-        type(m) is nn.Conv2d
+        type(m) in (nn.Conv2d, TunedDepthwiseConv2d)
         and m.groups == m.in_channels > 1
         and m.out_channels % m.in_channels == 0
         and m.padding_mode == "zeros"
@@ -48,20 +46,20 @@ def is_depthwise(m: nn.Module) -> bool:
 
 
 class TunedDepthwiseConv2d(nn.Conv2d):
-    """A depthwise ``nn.Conv2d`` computed by tuned TVM kernels where they exist."""
+    """A depthwise ``nn.Conv2d`` computed by the tuned kernels its :attr:`kernels` choice names."""
 
-    _strict = False
+    kernels: KernelChoice | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._strict:
-            self._require(x)
-        return depthwise_conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation)
+        if self.kernels is not None and self.kernels.strict:
+            self._require(x, self.kernels)
+        return depthwise_conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.kernels)
 
-    def _require(self, x: torch.Tensor) -> None:
-        lib = active_library(x.device)
+    def _require(self, x: torch.Tensor, choice: KernelChoice) -> None:
+        lib = library(choice.library)
         p = problem_of(x.shape, self.weight.shape, self.stride, self.padding, self.dilation, x.dtype)
         layout = layout_of_tensor(x)
-        missing = [op for op in ("fwd", "dgrad", "wgrad") if lib is None or lib.find(op, p, layout) is None]
+        missing = [op for op in ("fwd", "dgrad", "wgrad") if lib.find(op, p, layout, choice.faster_only) is None]
         if missing:
             raise RuntimeError(
                 f"kernels='tvm': no tuned {layout} {'/'.join(missing)} kernel on {x.device} for a depthwise layer "
@@ -73,31 +71,45 @@ class TunedDepthwiseConv2d(nn.Conv2d):
             )
 
 
+def _set(layers: list[nn.Module], choice: KernelChoice | None) -> None:
+    for m in layers:
+        if choice is None:
+            m.__class__ = nn.Conv2d
+            m.__dict__.pop("kernels", None)
+        else:
+            m.__class__ = TunedDepthwiseConv2d
+            m.kernels = choice
+
+
 def swap_depthwise(model: nn.Module, mode: str, db: str | None, device: torch.device) -> int:
-    """Swap the depthwise layers of ``model`` per ``mode``; returns how many were swapped."""
+    """Put the depthwise layers of ``model`` on the kernels per ``mode``; returns how many run them.
+
+    Each layer keeps its own choice (library and policy), so models wrapped
+    with different ``mode``s in one process each run what they asked for;
+    ``"torch"`` (or no usable library under ``"auto"``) puts layers swapped
+    earlier back to plain ``nn.Conv2d``.
+    """
     if mode not in KERNEL_MODES:
         raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {mode!r}")
-    if mode == "torch":
-        return 0
     layers = [m for m in model.modules() if is_depthwise(m)]
-    if not layers:
+    if mode == "torch" or not layers:
+        _set(layers, None)
         return 0
     db = db or default_db()
-    lib = load(db, device) if os.path.isdir(db) else None
+    lib = load_library(db, device) if os.path.isdir(db) else None
     if lib is None:
         if mode == "tvm":
             raise RuntimeError(
                 f"kernels='tvm' but {db} holds no exported kernels for {device}: run `tune-kernels --model ... "
                 f"--input-shape N,C,H,W --target {device.type} --db {db}` first, or wrap with kernels='auto'"
             )
+        _set(layers, None)
         return 0
     if mode == "auto" and device.type == "cpu" and not lib.torch_team:
         log.info("kernels='auto' on CPU: torch runs the %d depthwise layer(s), since the kernels could not join "
                  "torch's OpenMP team (no C compiler?) and on TVM's pool they slow a step (see pipedp.ops.swap); "
                  "kernels='tvm' uses them anyway", len(layers))
+        _set(layers, None)
         return 0
-    lib.faster_only = mode == "auto"
-    for m in layers:
-        m.__class__ = TunedDepthwiseConv2d
-        m._strict = mode == "tvm"
+    _set(layers, KernelChoice(lib.key, faster_only=mode == "auto", strict=mode == "tvm"))
     return len(layers)

@@ -14,6 +14,8 @@ from typing import Sequence
 
 import numpy as np
 
+from ..checks import positive_int
+
 __all__ = ["balance", "stage_costs"]
 
 
@@ -32,8 +34,7 @@ def _check_costs(costs: Sequence[float], name: str, length: int | None = None) -
 
 
 def _check_stages(stages: int, blocks: int) -> None:
-    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
-        raise ValueError(f"stages must be a positive int, got {stages!r}")
+    positive_int("stages", stages)
     if stages > blocks:
         raise ValueError(
             f"cannot cut {blocks} blocks into {stages} non-empty stages: use stages <= {blocks}, "

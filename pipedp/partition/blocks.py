@@ -24,6 +24,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from ..checks import positive_int
+
 __all__ = ["Block", "blocks_of", "check_chain", "Chain", "module_mode", "mutates_input"]
 
 _HOW = "pass an nn.Sequential of the model's parts, or use stages=1 (no pipeline cut)"
@@ -56,8 +58,7 @@ def blocks_of(model: nn.Module, *, depth: int = 1) -> list[Block]:
     """The ordered blocks of ``model``; ``ValueError`` (why, where, what to do) if it cannot be cut."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
-    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-        raise ValueError(f"depth must be a positive int, got {depth!r}")
+    positive_int("depth", depth)
     if isinstance(model, nn.Sequential):
         blocks = _sequential(model, "", depth)
         if not blocks:

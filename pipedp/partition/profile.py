@@ -10,11 +10,10 @@ statistics), gradients and RNG state are restored, and the backward uses
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -22,7 +21,7 @@ from tqdm.auto import tqdm
 
 from .blocks import Block
 
-__all__ = ["BlockProfile", "profile_blocks", "estimate_blocks", "preserved_state"]
+__all__ = ["BlockProfile", "profile_blocks", "estimate_blocks"]
 
 
 @dataclass(frozen=True)
@@ -39,27 +38,6 @@ class BlockProfile:
     @property
     def cost_ms(self) -> float:
         return self.forward_ms + self.backward_ms
-
-
-@contextlib.contextmanager
-def preserved_state(model: nn.Module, devices: Sequence[torch.device] = ()) -> Iterator[None]:
-    """Restore buffers, ``.grad`` and RNG state (CPU and given CUDA devices) on exit."""
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    grads = [(p, p.grad) for p in model.parameters()]
-    cpu_rng = torch.get_rng_state()
-    cuda = sorted({torch.device(d).index or 0 for d in devices if torch.device(d).type == "cuda"})
-    cuda_rng = [(i, torch.cuda.get_rng_state(i)) for i in cuda]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
-        for p, g in grads:
-            p.grad = g
-        torch.set_rng_state(cpu_rng)
-        for i, state in cuda_rng:
-            torch.cuda.set_rng_state(state, i)
 
 
 def _params(module: nn.Module) -> list[nn.Parameter]:
@@ -130,7 +108,7 @@ def profile_blocks(
     """Measure every block's forward and backward time on ``sample``'s device.
 
     ``sample`` is one microbatch of input. Blocks run in train mode, as in
-    training; call inside :func:`preserved_state` to leave the model untouched.
+    training; call inside :func:`pipedp.snapshot.preserved_state` to leave the model untouched.
     ``copy_input[i]`` says block i modifies its input in place, so (as a stage
     would) it gets a copy of its leaf input.
     """

@@ -117,6 +117,7 @@ class GradSync:
             raise ValueError(f"reduce_dtype must be None, torch.bfloat16 or torch.float16, got {reduce_dtype}")
         self.group = group
         self.size = dist.get_world_size(group)
+        self.bucket_bytes = bucket_bytes
         self.reduce_dtype = reduce_dtype
         self.timeout = timeout
         self.step = 0
@@ -251,6 +252,15 @@ class GradSync:
         spans = [(b.issued, b.done[0] if b.done else self._wait_done) for b in self.buckets if b.work is not None]
         total, before = _union_ms(spans, self._wait_started)
         return SyncStats(len(self.buckets), total, before, (self._wait_done - self._wait_started) * 1e3)
+
+    def describe(self) -> str:
+        """The last step's sync in one line, for the plan."""
+        st = self.stats()
+        return (
+            f"{st.buckets} bucket(s) of <= {self.bucket_bytes / 2**20:g} MiB over {self.size} replica(s); "
+            f"last step {st.sync_ms:.2f} ms in flight, {100 * st.hidden_fraction:.0f}% hidden behind backward, "
+            f"optimizer waited {st.exposed_ms:.2f} ms"
+        )
 
     def spans(self, clock: Clock) -> list[tuple[int, int, float, float]]:
         """(stage, bucket bytes, start ms, end ms) of each all-reduce of the last step, from ``clock``'s origin."""

@@ -12,13 +12,14 @@ from typing import Sequence
 
 import torch
 
+from ..checks import positive_int
+
 __all__ = ["sizes", "split", "gather", "shares"]
 
 
 def sizes(batch: int, microbatches: int) -> list[int]:
     """Sizes of the ``microbatches`` chunks a batch of ``batch`` samples is cut into."""
-    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
-        raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
+    positive_int("microbatches", microbatches)
     if batch < microbatches:
         raise ValueError(
             f"a batch of {batch} samples cannot be split into {microbatches} microbatches: "

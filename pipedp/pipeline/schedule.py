@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
+from ..checks import positive_int
+
 __all__ = ["Action", "Schedule", "gpipe", "one_f_one_b", "forward_only", "SCHEDULES", "get_schedule"]
 
 
@@ -27,9 +29,8 @@ Schedule = list[list[Action]]
 
 
 def _check(stages: int, microbatches: int) -> None:
-    for name, v in (("stages", stages), ("microbatches", microbatches)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    positive_int("stages", stages)
+    positive_int("microbatches", microbatches)
 
 
 def gpipe(stages: int, microbatches: int) -> Schedule:

@@ -20,8 +20,8 @@ def test_parse_config():
 @pytest.mark.slow
 def test_benchmark_end_to_end_on_cpu(tmp_path):
     out = tmp_path / "bench.json"
-    main(["--device", "cpu", "--models", "resnet18", "--batch", "8", "--steps", "1", "--rounds", "2",
-          "--warmup", "1", "--configs", "plain;pipedp:S=2,M=2", "--out", str(out)])
+    assert main(["--device", "cpu", "--models", "resnet18", "--batch", "8", "--steps", "1", "--rounds", "2",
+                 "--warmup", "1", "--configs", "plain;pipedp:S=2,M=2", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     rows = data["results"]["resnet18"]["rows"]
     assert rows["plain"]["speedup_vs_plain"] == 1.0
@@ -29,3 +29,9 @@ def test_benchmark_end_to_end_on_cpu(tmp_path):
     assert rows["pipedp:S=2,M=2"]["peak_memory_mib"] > 0
     assert "pipedp plan: 2 stage(s)" in rows["pipedp:S=2,M=2"]["plan"]
     assert data["machine"]["device"] == "cpu"
+
+
+def test_a_bad_config_is_one_line_and_status_1(capsys):
+    assert main(["--device", "cpu", "--models", "resnet18", "--configs", "fast"]) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "unknown config 'fast'" in line

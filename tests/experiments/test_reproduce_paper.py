@@ -1,24 +1,33 @@
-"""reproduce-paper end to end on tiny models: results, table, plots, trace, errors."""
+"""reproduce-paper end to end on tiny models: results, table, plots, trace, errors; the console script's contract."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 
+import pipedp
 from experiments.paper_report import PAPER_SPEEDUP, table_markdown
-from experiments.reproduce_paper import main
+from experiments.reproduce_paper import main, reproduce
 from tests.experiments.test_data import make_cifar10
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["--width", "4", "--batch-size", "8", "--microbatches", "2", "--no-progress"]
+# A few seconds: one small model, a handful of images.
+SMALL = ["--dataset", "synthetic", "--models", "resnet18", "--epochs", "1", "--image-size", "16",
+         "--train-images", "16", "--test-images", "8", *TINY]
+EXTRA = ("sklearn", "sklearn.datasets", "matplotlib", "matplotlib.pyplot", "PIL", "PIL.Image")
 
 
 def test_synthetic_run_writes_results_table_plots_and_a_trace(tmp_path):
     out = tmp_path / "out"
-    res = main(["--dataset", "synthetic", "--models", "resnet18,resnet50", "--epochs", "1", "--image-size", "16",
-                "--train-images", "32", "--test-images", "12", "--stages", "2", "--trace", str(tmp_path / "t.json"),
-                "--out", str(out), *TINY])
+    res = reproduce(["--dataset", "synthetic", "--models", "resnet18,resnet50", "--epochs", "1", "--image-size", "16",
+                     "--train-images", "32", "--test-images", "12", "--stages", "2", "--trace",
+                     str(tmp_path / "t.json"), "--out", str(out), *TINY])
     saved = json.loads((out / "results.json").read_text())
     assert [r["model"] for r in saved["runs"]] == ["resnet18", "resnet50"] and saved["machine"]["device"] == "cpu"
     for r in saved["runs"]:
@@ -45,11 +54,11 @@ def test_synthetic_run_writes_results_table_plots_and_a_trace(tmp_path):
 def test_both_runs_see_the_same_batches(tmp_path):
     # One stage, one microbatch: pipedp's step is plain training, so identical data gives identical numbers.
     pytest.importorskip("sklearn")
-    res = main(["--dataset", "digits", "--models", "resnet18", "--epochs", "2", "--train-images", "48",
-                "--test-images", "40", "--stages", "1", "--out", str(tmp_path), *TINY[:4], "--microbatches", "1",
-                "--no-progress"])
+    res = reproduce(["--dataset", "digits", "--models", "resnet18", "--epochs", "2", "--train-images", "48",
+                     "--test-images", "40", "--stages", "1", "--out", str(tmp_path), *TINY[:4], "--microbatches", "1",
+                     "--no-progress"])
     (r,) = res["runs"]
-    for a, b in zip(r["plain"]["epochs"], r["pipedp"]["epochs"]):
+    for a, b in zip(r["plain"]["epochs"], r["pipedp"]["epochs"], strict=True):
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-4)
         assert a["test_acc"] == b["test_acc"]
     assert [e["epoch"] for e in r["plain"]["epochs"]] == [1, 2]
@@ -57,11 +66,17 @@ def test_both_runs_see_the_same_batches(tmp_path):
 
 def test_cifar_table_puts_the_papers_speedup_beside_ours(tmp_path):
     make_cifar10(tmp_path / "data", n=8)
-    res = main(["--dataset", "cifar10", "--data-root", str(tmp_path / "data"), "--models", "resnet18", "--epochs", "1",
-                "--stages", "2", "--out", str(tmp_path / "out"), *TINY])
+    res = reproduce(["--dataset", "cifar10", "--data-root", str(tmp_path / "data"), "--models", "resnet18",
+                     "--epochs", "1", "--stages", "2", "--out", str(tmp_path / "out"), *TINY])
     table = table_markdown(res)
     assert "| resnet18 | CIFAR-10 |" in table and f"| {PAPER_SPEEDUP['cifar10']:.2f}x |" in table
     assert (tmp_path / "out" / "table.md").read_text() == table
+
+
+def _one_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
 
 
 @pytest.mark.parametrize("argv, match", [
@@ -71,9 +86,21 @@ def test_cifar_table_puts_the_papers_speedup_beside_ours(tmp_path):
     (["--batch-size", "2", "--microbatches", "4"], "smaller than --microbatches"),
     (["--stages", "two"], "--stages must be"),
 ])
-def test_bad_arguments_are_clear_errors(tmp_path, argv, match):
-    with pytest.raises(SystemExit, match=match):
-        main([*argv, "--out", str(tmp_path)])
+def test_bad_arguments_are_clear_errors(tmp_path, capsys, argv, match):
+    with pytest.raises((ValueError, OSError), match=match):
+        reproduce([*argv, "--out", str(tmp_path)])
+    capsys.readouterr()
+    assert main([*argv, "--out", str(tmp_path)]) == 1  # the console script: status 1, one line naming the problem
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith("reproduce-paper: error:") and match in line
+
+
+@pytest.mark.parametrize("argv", [["--epochs", "x"], ["--schedule", "zigzag"], ["--no-such-option"]])
+def test_bad_option_values_are_one_line_usage_errors(capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert _one_line(capsys.readouterr().err).startswith("reproduce-paper: error: ")
 
 
 def test_quick_is_small_and_explicit_choices_win():
@@ -84,3 +111,54 @@ def test_quick_is_small_and_explicit_choices_win():
     args = _resolve(_parser().parse_args(["--quick", "--models", "resnet18,resnet34", "--epochs", "3"]))
     assert args.model_list == ["resnet18", "resnet34"] and args.epochs == 3
     assert _resolve(_parser().parse_args([])).model_list == ["resnet18", "resnet34", "resnet50"]
+    full = _resolve(_parser().parse_args([]))
+    assert (full.epochs, full.batch_size, full.train_images, full.image_size) == (10, 128, None, None)
+
+
+def test_main_returns_0_and_writes_its_outputs(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main([*SMALL, "--out", str(out)]) == 0
+    for name in ("results.json", "table.md", "speedup.png", "accuracy.png"):
+        assert (out / name).stat().st_size > 0
+    assert f"wrote {out / 'results.json'}" in capsys.readouterr().out
+    assert json.loads((out / "results.json").read_text())["args"]["epochs"] == 1
+
+
+def test_help_and_version_exit_0_and_show_defaults(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for default in ("(default: digits)", "(default: 4)", "(default: 10; 1 with --quick)", "(default: reproduce-out)",
+                    "(default: resnet18,resnet34,resnet50; resnet18 with --quick)", "(default: all; 512 with --quick)"):
+        assert default in text
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and pipedp.__version__ in capsys.readouterr().out
+
+
+def _without_extra(code: str) -> subprocess.CompletedProcess:
+    block = f"import sys; sys.modules.update(dict.fromkeys({EXTRA!r}))\n"  # None there: every import of them fails
+    env = {k: v for k, v in os.environ.items() if k != "PIPEDP_DIGITS_NPZ"}
+    return subprocess.run([sys.executable, "-c", block + code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_help_needs_no_experiments_extra():
+    done = _without_extra("from experiments.reproduce_paper import main; sys.exit(main(['--help']))")
+    assert done.returncode == 0, done.stderr
+    assert "--dataset" in done.stdout
+
+
+def test_a_run_that_needs_the_missing_extra_names_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("PIPEDP_DIGITS_NPZ", raising=False)
+    for name in EXTRA:
+        monkeypatch.setitem(sys.modules, name, None)
+    assert main(["--dataset", "digits", "--out", str(tmp_path)]) == 1
+    line = _one_line(capsys.readouterr().err)
+    assert "--dataset digits" in line and "pip install 'pipedp[experiments]'" in line
+    # Without matplotlib a run still writes its results and table, and says up front the plots will be skipped.
+    with pytest.warns(UserWarning, match="plots skipped"):
+        assert main([*SMALL, "--out", str(tmp_path / "out")]) == 0
+    assert "pipedp[experiments]" in capsys.readouterr().err
+    assert (tmp_path / "out" / "table.md").exists() and not (tmp_path / "out" / "speedup.png").exists()

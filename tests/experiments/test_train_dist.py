@@ -6,6 +6,8 @@ import sys
 
 import torch
 
+from experiments.train_dist import main
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -24,3 +26,10 @@ def test_torchrun_two_ranks_then_resume(tmp_path):
     assert torch.load(ckpt, weights_only=True)["engine"]["steps"] == 2
     out = _torchrun("--steps", "3", "--ckpt", ckpt, "--resume", "--pp", "2")
     assert "step   3" in out and "step   1 " not in out and "pipeline rank 0 of 2" in out
+
+
+def test_main_returns_an_exit_status(monkeypatch, capsys):
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(["--width", "4", "--stages", "two"]) == 1  # one line naming the bad value, no traceback
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("python -m experiments.train_dist: error:") and "'two'" in line

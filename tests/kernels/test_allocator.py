@@ -10,7 +10,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROBE = """
 import resource, sys, torch
-from kernels.tvm.allocator import reuse_freed_memory
+from pipedp.kernels.tvm.allocator import reuse_freed_memory
 if sys.argv[1] == "reuse":
     assert reuse_freed_memory()
 n = 48 << 20  # above glibc's 32 MiB mmap ceiling

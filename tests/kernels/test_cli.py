@@ -1,5 +1,7 @@
-"""tune-kernels end to end on a model file, then training with kernels="tvm" in a fresh process."""
+"""tune-kernels end to end on a model file, then training with kernels="tvm" in a fresh process; its
+help, version and one-line failures, with and without the compiler's extra installed."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -7,13 +9,15 @@ import textwrap
 
 import pytest
 
-pytest.importorskip("tvm")
-pytest.importorskip("xgboost")
+from pipedp.kernels.tvm import cli  # (imports no TVM: checked below)
+from pipedp.ops import records as R
 
-from kernels.tvm import cli  # noqa: E402
-from kernels.tvm import records as R  # noqa: E402
+from tests.model_files import DEPTHWISE_NET as MODEL
 
-from tests.model_files import DEPTHWISE_NET as MODEL  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXTRA = ("tvm", "tvm_ffi", "xgboost")  # what pipedp[tvm] installs
+NO_EXTRA = any(importlib.util.find_spec(m) is None for m in EXTRA)
+needs_extra = pytest.mark.skipif(NO_EXTRA, reason="needs the 'tvm' extra (apache-tvm, tvm-ffi, xgboost)")
 
 TRAIN = textwrap.dedent("""
     import copy, sys, torch
@@ -42,6 +46,8 @@ TRAIN = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def tuned(tmp_path_factory):
+    if NO_EXTRA:
+        pytest.skip("needs the 'tvm' extra (apache-tvm, tvm-ffi, xgboost)")
     root = tmp_path_factory.mktemp("tune")
     (root / "net.py").write_text(MODEL)
     db = root / "db"
@@ -55,7 +61,7 @@ def tuned(tmp_path_factory):
 
 def _train(root, db, layout="nchw"):
     done = subprocess.run([sys.executable, "-c", TRAIN, str(root), str(db), layout], capture_output=True, text=True,
-                          timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+                          timeout=300, cwd=ROOT)
     return done
 
 
@@ -96,35 +102,52 @@ def test_a_tampered_library_is_refused(tuned, tmp_path):
     assert "skipping a corrupt tuning record" in done.stderr
 
 
-def test_find_depthwise_dedupes_and_bad_arguments():
-    from experiments.models import mobilenet_v2
+def _fails(capsys, argv, reason):
+    """``cli.main(argv)`` exits 1 with one line on stderr that gives ``reason``."""
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("tune-kernels: error: ") and reason in err and len(err.strip().splitlines()) == 1, err
+
+
+@needs_extra
+def test_find_depthwise_dedupes_and_bad_arguments(capsys, tmp_path):
+    from pipedp.models import mobilenet_v2
 
     probs = cli.find_depthwise(mobilenet_v2(), (2, 3, 32, 32))
     assert len(probs) == len(set(probs)) and all(p.kernel == (3, 3) for p in probs)
-    with pytest.raises(SystemExit, match="N,C,H,W"):
-        cli.main(["--model", "mobilenet_v2", "--input-shape", "2,3,32"])
-    with pytest.raises(SystemExit, match="not a zoo model"):
-        cli.main(["--model", "nope", "--input-shape", "2,3,32,32"])
-    with pytest.raises(SystemExit, match="come in nchw,nhwc"):
-        cli.main(["--model", "mobilenet_v2", "--input-shape", "2,3,32,32", "--layouts", "nchwc"])
+    db = ["--db", str(tmp_path / "db")]
+    _fails(capsys, ["--model", "mobilenet_v2", "--input-shape", "2,3,32", *db], "N,C,H,W")
+    _fails(capsys, ["--model", "nope", "--input-shape", "2,3,32,32", *db], "not a zoo model")
+    _fails(capsys, ["--model", "mobilenet_v2", "--input-shape", "2,3,32,32", "--layouts", "nchwc", *db],
+           "come in nchw,nhwc")
+    _fails(capsys, ["--model", f"{tmp_path / 'none.py'}:build", "--input-shape", "2,3,32,32", *db], "no file")
+    _fails(capsys, ["--model", "mobilenet_v2", "--input-shape", "2,3,32,32", "--ops", "fwd,bwd", *db],
+           "choose from fwd,dgrad,wgrad")
+    _fails(capsys, ["--model", "mobilenet_v2", "--input-shape", "2,3,32,32", "--trials", "0", *db], "at least 1")
+    if not __import__("torch").cuda.is_available():
+        _fails(capsys, ["--model", "mobilenet_v2", "--input-shape", "2,3,32,32", "--target", "cuda", *db],
+               "run where torch sees one")
+    assert not (tmp_path / "db").exists()  # nothing written for a run that could not start
 
 
 def test_auto_on_cpu_swaps_only_on_torchs_thread_team(tuned, monkeypatch):
     import torch
     from torch import nn
 
-    from kernels.tvm import parallel
-    from pipedp.ops.depthwise import active_library
+    from pipedp.ops import parallel, runtime
     from pipedp.ops.swap import TunedDepthwiseConv2d, swap_depthwise
 
     _, db = tuned
     cpu = torch.device("cpu")
     net = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, groups=8))
+    monkeypatch.setattr(runtime, "_loaded", {})  # a fresh process's cache: the library is loaded (and routed) again
     monkeypatch.setattr(parallel, "route", lambda path: False)  # as without a C compiler: kernels on TVM's pool
     assert swap_depthwise(net, "auto", str(db), cpu) == 0 and type(net[0]) is nn.Conv2d
+    monkeypatch.setattr(runtime, "_loaded", {})
     monkeypatch.setattr(parallel, "route", lambda path: True)
     assert swap_depthwise(net, "auto", str(db), cpu) == 1 and type(net[0]) is TunedDepthwiseConv2d
-    assert active_library(cpu).faster_only and not net[0]._strict  # auto: a kernel only where it beat torch
+    choice = net[0].kernels
+    assert choice.faster_only and not choice.strict  # auto: a kernel only where it beat torch
 
 
 def test_faster_only_takes_a_kernel_only_where_it_beat_torch_in_its_layout(tuned):
@@ -132,28 +155,97 @@ def test_faster_only_takes_a_kernel_only_where_it_beat_torch_in_its_layout(tuned
     import torch
     from torch import nn
 
-    from kernels.tvm.problem import DepthwiseConv
-    from pipedp.ops.depthwise import active_library, load
+    from pipedp.ops.problem import DepthwiseConv
+    from pipedp.ops.runtime import load_library
     from pipedp.ops.swap import swap_depthwise
 
     _, db = tuned
     cpu = torch.device("cpu")
-    lib = load(str(db), cpu)
-    lib.faster_only = True
+    lib = load_library(str(db), cpu)
     assert set(lib.timings) == set(lib.kernels)
     best = R.best(R.read(db / R.RECORDS_FILE)).values()
-    for r in best:
-        pk = R.problem_key(r["op"], r["problem"], lib.target, r["layout"])
-        t = lib.timings[pk]
-        assert t["us"] == r["us"] and t["torch_us"] == r["torch_us"][r["layout"].lower()]
-        args = (r["op"], DepthwiseConv.from_key(r["problem"]), r["layout"])
-        assert (lib.find(*args) is not None) == (t["us"] < t["torch_us"])
-        lib.timings[pk] = {"us": 0.5, "torch_us": 1.0}  # a winner is taken ...
-        assert lib.find(*args) is not None
-        lib.timings[pk] = {"us": 2.0, "torch_us": 1.0}  # ... a loser is not, unless kernels="tvm"
-        assert lib.find(*args) is None
-        lib.faster_only = False
-        assert lib.find(*args) is not None
-        lib.faster_only = True
-    swap_depthwise(nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, groups=8)), "tvm", str(db), cpu)
-    assert not active_library(cpu).faster_only
+    saved = dict(lib.timings)
+    try:
+        for r in best:
+            pk = R.problem_key(r["op"], r["problem"], lib.target, r["layout"])
+            t = lib.timings[pk]
+            assert t["us"] == r["us"] and t["torch_us"] == r["torch_us"][r["layout"].lower()]
+            args = (r["op"], DepthwiseConv.from_key(r["problem"]), r["layout"])
+            assert (lib.find(*args, faster_only=True) is not None) == (t["us"] < t["torch_us"])
+            lib.timings[pk] = {"us": 0.5, "torch_us": 1.0}  # a winner is taken ...
+            assert lib.find(*args, faster_only=True) is not None
+            lib.timings[pk] = {"us": 2.0, "torch_us": 1.0}  # ... a loser is not, unless kernels="tvm"
+            assert lib.find(*args, faster_only=True) is None
+            assert lib.find(*args, faster_only=False) is not None
+    finally:
+        lib.timings.clear()
+        lib.timings.update(saved)  # the library is cached for the process: leave it as loaded
+    net = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, groups=8))
+    swap_depthwise(net, "tvm", str(db), cpu)
+    assert not net[0].kernels.faster_only and net[0].kernels.strict and net[0].kernels.library == lib.key
+
+
+def _env(tmp_path, block):
+    """This environment, or one where the extra is unimportable: a sitecustomize that refuses tvm, tvm_ffi and
+    xgboost, as where they are not installed."""
+    env = dict(os.environ)
+    if block:
+        site = tmp_path / "site"
+        site.mkdir(exist_ok=True)
+        (site / "sitecustomize.py").write_text(textwrap.dedent(f"""
+            import sys
+
+            EXTRA = {EXTRA!r}
+
+            class _NotInstalled:
+                def find_spec(self, name, path=None, target=None):
+                    if name.split(".")[0] in EXTRA:
+                        raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+                    return None
+
+            sys.meta_path.insert(0, _NotInstalled())
+        """))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _script(args, tmp_path, block=False):
+    """tune-kernels as installed (the console script, else ``python -m``)."""
+    script = os.path.join(os.path.dirname(sys.executable), "tune-kernels")
+    cmd = [script] if os.path.exists(script) else [sys.executable, "-m", "pipedp.kernels.tvm.cli"]
+    return subprocess.run(cmd + args, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env=_env(tmp_path, block))
+
+
+@pytest.mark.parametrize("block", [False, True], ids=["installed", "without-extra"])
+def test_help_and_version_show_defaults_and_the_extra(tmp_path, block):
+    done = _script(["--help"], tmp_path, block)
+    assert done.returncode == 0, done.stderr
+    out = " ".join(done.stdout.split())  # (argparse wraps lines)
+    assert "pip install 'pipedp[tvm]'" in out
+    for shown in ("(default: 64)", "(default: 8)", "(default: cpu)", "(default: fwd,dgrad,wgrad)", "(default: auto)",
+                  "(default: reuse)", "(default: 10)", "(default: 0)", "(default: False)", "(required)"):
+        assert shown in out, shown
+    done = _script(["--version"], tmp_path, block)
+    assert done.returncode == 0 and done.stdout.startswith("tune-kernels (pipedp) "), done.stdout + done.stderr
+
+
+def test_without_the_extra_a_run_fails_in_one_line_naming_it(tmp_path):
+    for module in EXTRA:  # the stand-in for an install without the extra works
+        probe = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True,
+                               cwd=tmp_path, env=_env(tmp_path, True))
+        assert probe.returncode != 0 and f"No module named '{module}'" in probe.stderr
+    done = _script(["--model", "mobilenet_v2", "--input-shape", "2,3,32,32", "--db", str(tmp_path / "db"),
+                    "--no-progress"], tmp_path, block=True)
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "pip install 'pipedp[tvm]'" in lines[0] and "tvm" in lines[0], done.stderr
+    assert not (tmp_path / "db").exists()
+
+
+def test_the_cli_module_imports_no_compiler():
+    code = ("import sys; from pipedp.kernels.tvm import cli; "
+            f"print(sorted(m for m in sys.modules if m.split('.')[0] in {EXTRA!r} "
+            "or m.startswith('pipedp.kernels.tvm.') and m.rsplit('.', 1)[1] not in ('cli', 'allocator')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr

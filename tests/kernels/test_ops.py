@@ -8,10 +8,13 @@ import pytest
 pytest.importorskip("tvm")
 import torch  # noqa: E402
 
-from kernels.tvm import build as B  # noqa: E402
-from kernels.tvm.layout import LAYOUTS, arrange  # noqa: E402
-from kernels.tvm.ops import OPS, DepthwiseConv  # noqa: E402
-from kernels.tvm.space import InvalidConfig  # noqa: E402
+from pipedp.kernels.tvm import runner  # noqa: E402
+from pipedp.kernels.tvm.builder import build  # noqa: E402
+from pipedp.ops.layout import LAYOUTS, arrange  # noqa: E402
+from pipedp.kernels.tvm.ops import OPS, DepthwiseConv  # noqa: E402
+from pipedp.kernels.tvm.space import InvalidConfig  # noqa: E402
+from pipedp.kernels.tvm.target import make_target  # noqa: E402
+from pipedp.kernels.tvm.template import get_template, layout_of, layouts_for  # noqa: E402
 
 GRID = [
     DepthwiseConv(2, 4, 9, 7, padding=1),                                   # non-square input
@@ -31,16 +34,16 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(scope="module")
 def target():
-    return B.make_target("cpu")
+    return make_target("cpu")
 
 
 @pytest.mark.parametrize("conv", GRID, ids=str)
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_scheduled_kernels_match_torch(conv, op, layout, target):
-    space = B.space(conv, op, target, layout)
+    tmpl = get_template(target, layout)
+    space = tmpl.space(conv, op)
     rng = random.Random(hash((str(conv), op, layout)) & 0xFFFF)
-    tmpl = B.template(target, layout)
 
     def valid(cfg):
         try:
@@ -52,23 +55,25 @@ def test_scheduled_kernels_match_torch(conv, op, layout, target):
     configs = list(itertools.islice(filter(valid, space.all()), 1))
     configs += list(itertools.islice(filter(valid, (space.sample(rng) for _ in range(100))), 2))
     for cfg in configs:
-        assert B.layout_of(cfg) == layout
-        B.check(B.build(conv, op, cfg, target), conv, op, CPU, layout)  # raises if off
+        assert layout_of(cfg) == layout
+        runner.check(build(conv, op, cfg, target), conv, op, CPU, layout)  # raises if off
 
 
 def test_nhwc_kernels_take_channels_last_tensors_without_a_copy(target):
     conv = DepthwiseConv(2, 8, 6, 5, padding=1)
-    kernel = B.build(conv, "fwd", B.space(conv, "fwd", target, "NHWC").sample(random.Random(0)), target)
-    (x, w), ref = B.reference(conv, "fwd", CPU)
+    kernel = build(conv, "fwd", get_template(target, "NHWC").space(conv, "fwd").sample(random.Random(0)), target)
+    (x, w), ref = runner.reference(conv, "fwd", CPU)
     x = x.contiguous(memory_format=torch.channels_last)
-    y = B.call(kernel, "fwd", "NHWC", [arrange(x, "NHWC"), w], tuple(ref.shape))
+    y = runner.call(kernel, "fwd", "NHWC", [arrange(x, "NHWC"), w], tuple(ref.shape))
     assert arrange(x, "NHWC").data_ptr() == x.data_ptr()
     assert y.is_contiguous(memory_format=torch.channels_last) and torch.allclose(y, ref, atol=1e-5)
 
 
 def test_cuda_has_no_nhwc_template():
+    cuda = make_target("cuda", "sm_90")
+    assert layouts_for(cuda) == ("NCHW",) and layouts_for(make_target("cpu")) == LAYOUTS
     with pytest.raises(ValueError, match="no cuda template"):
-        B.template(B.make_target("cuda", "sm_90"), "NHWC")
+        get_template(cuda, "NHWC")
 
 
 def test_check_rejects_a_wrong_kernel():
@@ -78,7 +83,7 @@ def test_check_rejects_a_wrong_kernel():
         y.zero_()
 
     with pytest.raises(ValueError, match="differs from torch"):
-        B.check(wrong, conv, "fwd", CPU)
+        runner.check(wrong, conv, "fwd", CPU)
 
 
 @pytest.mark.parametrize("kw, match", [

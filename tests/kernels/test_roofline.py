@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from kernels.tvm import roofline
-from kernels.tvm.problem import DepthwiseConv
+from pipedp.kernels.tvm import roofline
+from pipedp.ops.problem import DepthwiseConv
 
 CONV = DepthwiseConv(4, 16, 20, 20, padding=(1, 1))
 

@@ -6,11 +6,12 @@ import pytest
 
 pytest.importorskip("tvm")
 
-from kernels.tvm import cpu, cuda  # noqa: E402
-from kernels.tvm.ops import DepthwiseConv  # noqa: E402
-from kernels.tvm.space import InvalidConfig, Knob, Space, divisors  # noqa: E402
+from pipedp.kernels.tvm import template  # noqa: E402
+from pipedp.kernels.tvm.ops import DepthwiseConv  # noqa: E402
+from pipedp.kernels.tvm.space import InvalidConfig, Knob, Space, divisors  # noqa: E402
 
 SPACE = Space("t", (Knob("a", (1, 2, 4)), Knob("b", ("x", "y"))))
+cpu, cuda = template.get_template("llvm"), template.get_template("cuda")
 
 
 def test_space_size_enumeration_and_features():
@@ -64,3 +65,21 @@ def test_configs_recorded_before_a_knob_existed_get_what_they_did_then():
     assert grown.complete({"a": 2, "stream": 1}) == {"a": 2, "stream": 1}
     with pytest.raises(InvalidConfig, match="knob a missing"):
         grown.check(grown.complete({"stream": 1}))  # a knob without `since` stays required
+
+
+def test_templates_are_registered_by_target_kind_and_layout(monkeypatch):
+    assert (cpu.name, cuda.name, template.get_template("llvm", "NHWC").name) == ("cpu", "cuda", "cpu-nhwc")
+    assert template.layouts_for("llvm") == ("NCHW", "NHWC") and template.layouts_for("cuda") == ("NCHW",)
+    with pytest.raises(ValueError, match="no template for rocm targets: there are for cuda, llvm"):
+        template.get_template("rocm")
+
+    class Plain:  # a new target kind is one registered object: nothing else changes
+        name = "plain"
+
+        def __getattr__(self, method):
+            return getattr(cpu, method)
+
+    monkeypatch.setitem(template._REGISTRY, ("rocm", "NHWC"), Plain())
+    assert template.layouts_for("rocm") == ("NHWC",) and template.get_template("rocm", "NHWC").name == "plain"
+    with pytest.raises(ValueError, match="layout 'NCHWc'"):
+        template.register("rocm", "NCHWc", Plain())

@@ -10,12 +10,15 @@ import torch
 
 pytest.importorskip("tvm")
 
-from kernels.tvm import build as B  # noqa: E402
-from kernels.tvm import export as E  # noqa: E402
-from kernels.tvm import records as R  # noqa: E402
-from kernels.tvm import streaming  # noqa: E402
-from kernels.tvm.ops import DepthwiseConv  # noqa: E402
-from kernels.tvm.space import InvalidConfig  # noqa: E402
+from pipedp.kernels.tvm import builder as B  # noqa: E402
+from pipedp.kernels.tvm import export as E  # noqa: E402
+from pipedp.ops import records as R  # noqa: E402
+from pipedp.kernels.tvm import streaming  # noqa: E402
+from pipedp.kernels.tvm.ops import DepthwiseConv  # noqa: E402
+from pipedp.kernels.tvm.runner import check  # noqa: E402
+from pipedp.kernels.tvm.space import InvalidConfig  # noqa: E402
+from pipedp.kernels.tvm.target import make_target, target_key  # noqa: E402
+from pipedp.kernels.tvm.template import get_template  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not streaming.available(), reason="streaming stores are an x86-64 pass")
 
@@ -30,7 +33,7 @@ def no_floor(monkeypatch):
 
 
 def _ir(op="fwd", cfg=CFG):
-    target = B.make_target("cpu")
+    target = make_target("cpu")
     plain = dict(cfg, stream=0)
     return B.compile_module(B.schedule(CONV, op, plain, target).mod, target).mod.inspect_source("ll")
 
@@ -68,23 +71,24 @@ def test_mark_refuses_what_it_cannot_stream(no_floor):
                                   DepthwiseConv(1, 16, 8, 8, multiplier=2, kernel=5, padding=2)])
 def test_streaming_kernels_match_torch(no_floor, op, conv):
     cfg = dict(CFG, vec=16, tile_w=1)
-    B.check(B.build(conv, op, cfg, B.make_target("cpu")), conv, op, CPU, "NHWC")  # raises if off
+    check(B.build(conv, op, cfg, make_target("cpu")), conv, op, CPU, "NHWC")  # raises if off
 
 
 def test_knob_only_for_outputs_that_leave_the_cache():
-    target = B.make_target("cpu")
-    small = B.space(CONV, "fwd", target, "NHWC")
+    target = make_target("cpu")
+    nhwc = get_template(target, "NHWC")
+    small = nhwc.space(CONV, "fwd")
     big = DepthwiseConv(32, 32, 112, 112, padding=1)  # 51 MB output
-    assert "stream" not in small.names and "stream" in B.space(big, "fwd", target, "NHWC").names
-    assert "stream" in B.space(big, "dgrad", target, "NHWC").names
-    assert "stream" not in B.space(big, "wgrad", target, "NHWC").names  # its output is the weights' size
+    assert "stream" not in small.names and "stream" in nhwc.space(big, "fwd").names
+    assert "stream" in nhwc.space(big, "dgrad").names
+    assert "stream" not in nhwc.space(big, "wgrad").names  # its output is the weights' size
     with pytest.raises(InvalidConfig, match="stream=1 needs cache=1"):
         B.schedule(big, "fwd", dict(CFG, cache=0), target)
 
 
 def test_exported_library_streams_and_matches_torch(no_floor, tmp_path):
-    target = B.make_target("cpu")
-    key = B.target_key(target)
+    target = make_target("cpu")
+    key = target_key(target)
     for op in ("fwd", "dgrad"):
         R.append(tmp_path / R.RECORDS_FILE, {"kind": "measure", "op": op, "problem": CONV.key(), "layout": "NHWC",
                                               "target": key, "config": CFG, "us": 1.0, "torch_us": {}})
@@ -98,4 +102,4 @@ def test_exported_library_streams_and_matches_torch(no_floor, tmp_path):
     lib = tvm_ffi.load_module(str(path))
     for pk, symbol in record["kernels"].items():
         op = json.loads(pk)[0]
-        B.check(lib[symbol], CONV, op, CPU, "NHWC")
+        check(lib[symbol], CONV, op, CPU, "NHWC")

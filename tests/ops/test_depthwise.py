@@ -79,7 +79,7 @@ def test_eager_path_and_the_registered_op_agree_with_gradients(monkeypatch):
     for path in ("eager", "op"):
         xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
         if path == "op":
-            y = D._fwd(xr, wr, [2, 2], [1, 1], [1, 1])  # the registered custom op (torch.compile's path)
+            y = D._fwd(xr, wr, [2, 2], [1, 1], [1, 1], "", False)  # the registered custom op (torch.compile's path)
         else:
             calls: list = []
             monkeypatch.setattr(D, "_fwd", calls.append)  # must not be reached for plain tensors

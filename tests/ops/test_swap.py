@@ -44,3 +44,92 @@ def test_a_swapped_layer_is_the_same_module_computing_the_same_values():
     layer.__class__ = TunedDepthwiseConv2d  # what swap_depthwise does when kernels exist
     assert net[1] is layer and isinstance(layer, nn.Conv2d) and list(net.state_dict()) == keys
     assert torch.allclose(net(x), ref, atol=1e-6)
+
+
+def test_torch_puts_swapped_layers_back():
+    net = _net()
+    net[1].__class__ = TunedDepthwiseConv2d
+    assert is_depthwise(net[1])  # a swapped layer is still one of the model's depthwise layers
+    assert swap_depthwise(net, "torch", None, torch.device("cpu")) == 0
+    assert type(net[1]) is nn.Conv2d and "kernels" not in vars(net[1])
+
+
+# -- with an exported library: each model runs the kernels its own wrap asked for ------------------------------
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A kernel database for tests.model_files.DEPTHWISE_NET at batch 4 (NCHW, one trial per kernel)."""
+    pytest.importorskip("tvm")
+    pytest.importorskip("xgboost")
+    from pipedp.kernels.tvm import cli
+    from tests.model_files import DEPTHWISE_NET
+
+    root = tmp_path_factory.mktemp("kernels")
+    (root / "net.py").write_text(DEPTHWISE_NET)
+    db = root / "db"
+    code = cli.main(["--model", f"{root / 'net.py'}:build", "--input-shape", "4,3,16,16", "--trials", "1",
+                     "--layouts", "nchw", "--allocator", "default", "--db", str(db), "--no-progress"])
+    assert code == 0
+    return root, db
+
+
+def _mark_slower_than_torch(db, op):
+    """Rewrite the export's timings as if every ``op`` kernel had lost to torch when tuned."""
+    from pipedp.ops import records as R
+
+    path = db / R.RECORDS_FILE
+    records = R.read(path)
+    export = [r for r in records if r["kind"] == "export"][-1]
+    for key in export["timings"]:
+        if key.startswith(f'["{op}"'):
+            export["timings"][key] = {"us": 2.0, "torch_us": 1.0}
+    path.unlink()
+    for r in records:
+        R.append(path, r)
+
+
+def test_two_engines_in_one_process_each_get_their_kernels(exported, monkeypatch):
+    import importlib
+    import sys
+
+    from pipedp.ops import depthwise as D
+
+    root, db = exported
+    _mark_slower_than_torch(db, "fwd")
+    sys.path.insert(0, str(root))
+    try:
+        net = importlib.import_module("net")
+    finally:
+        sys.path.remove(str(root))
+    torch.manual_seed(0)
+    strict, auto, plain = net.build(), net.build(), net.build()
+    opts = dict(microbatches=2, profile=False, progress=False, kernel_db=str(db), sample=(8, 3, 16, 16))
+    a = pipedp.wrap(strict, kernels="tvm", **opts)
+    b = pipedp.wrap(auto, kernels="auto", **opts)  # built last: must not change what a runs
+    c = pipedp.wrap(plain, kernels="torch", **opts)
+    assert a.kernel_layers == b.kernel_layers == 2 and c.kernel_layers == 0
+    assert all(type(m) is nn.Conv2d for m in plain.modules() if isinstance(m, nn.Conv2d))
+
+    fallbacks = []
+    real = D.F.conv2d
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(torch.nn.functional, name)
+
+        @staticmethod
+        def conv2d(*args, **kw):
+            fallbacks.append(args[0].shape)
+            return real(*args, **kw)
+
+    monkeypatch.setattr(D, "F", Counting())
+    x = torch.randn(8, 3, 16, 16)
+    with torch.no_grad():
+        a(x)
+        assert fallbacks == []  # kernels="tvm": the tuned forward kernels, though they lost to torch
+        b(x)
+        assert len(fallbacks) == 4  # kernels="auto": torch for both layers of both microbatches
+        fallbacks.clear()
+        a(x)
+        assert fallbacks == []

@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from experiments.models import resnet18, resnet50
+from pipedp.models import resnet18, resnet50
 from pipedp.partition import Chain, blocks_of, check_chain
 from tests.reference import sequential_cnn
 

@@ -2,7 +2,7 @@ import torch
 from torch import nn
 
 from pipedp.partition import blocks_of, estimate_blocks, profile_blocks
-from pipedp.partition.profile import preserved_state
+from pipedp.snapshot import preserved_state
 from tests.reference import sequential_cnn
 
 

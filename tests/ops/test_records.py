@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from kernels.tvm import records as R
+from pipedp.ops import records as R
 
 
 def _measure(us, op="fwd", n=1):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels.tvm.layout import arrange, empty, layout_of_tensor
+from pipedp.ops.layout import arrange, empty, layout_of_tensor
 
 
 def test_memory_format_picks_the_layout():

@@ -4,9 +4,9 @@ A compiled CPU kernel hands each parallel loop to ``TVMBackendParallelLaunch``
 through a function pointer in its library (``__TVMBackendParallelLaunch``),
 which the TVM runtime points at its own thread pool when the library loads.
 In a training step that pool and torch's OpenMP team then share the cores:
-each spins after its work while the other needs the core, and a MobileNetV2
-step was slower with the kernels (0.70x of plain torch on 2 vCPUs) although
-every kernel alone was faster. Here that pointer is aimed at a ten-line C
+each spins after its work while the other needs the core, and a training
+step ran slower with kernels that were each faster alone (the README has the
+figures). Here that pointer is aimed at a ten-line C
 launcher that runs the loop's tasks in an OpenMP parallel region of the
 libgomp torch already loaded, so kernels and torch ops use one team, sized by
 ``torch.set_num_threads``.

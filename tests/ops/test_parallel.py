@@ -5,7 +5,7 @@ import ctypes
 import pytest
 import torch
 
-from kernels.tvm import parallel
+from pipedp.ops import parallel
 
 
 class _Env(ctypes.Structure):
@@ -86,22 +86,23 @@ def test_route_points_an_exported_library_at_the_launcher(tmp_path):
     tvm = pytest.importorskip("tvm")  # noqa: F841
     import tvm_ffi
 
-    from kernels.tvm import build as B
-    from kernels.tvm.problem import DepthwiseConv
+    from pipedp.kernels.tvm import runner
+    from pipedp.kernels.tvm.builder import compile_module, schedule
+    from pipedp.kernels.tvm.target import make_target
+    from pipedp.ops.problem import DepthwiseConv
 
     if parallel.launcher_address() is None:
         pytest.skip("no C compiler or torch without OpenMP")
     conv = DepthwiseConv(2, 8, 6, 6, padding=(1, 1))
-    target = B.make_target("cpu")
+    target = make_target("cpu")
     cfg = {"layout": "NHWC", "vec": 8, "tile_w": 2, "task": "row", "cache": 0, "unroll": 1}
     path = str(tmp_path / "k.so")
-    B.compile_module(B.schedule(conv, "fwd", cfg, target).mod, target).export_library(path)
+    compile_module(schedule(conv, "fwd", cfg, target).mod, target).export_library(path)
     module = tvm_ffi.load_module(path)
     pointer = ctypes.c_void_p.in_dll(ctypes.CDLL(path), "__TVMBackendParallelLaunch")
     assert pointer.value != parallel.launcher_address()  # the TVM runtime's pool, as loaded
     assert parallel.route(path)
     assert pointer.value == parallel.launcher_address()
-    inputs, ref = B.reference(conv, "fwd", torch.device("cpu"))
-    out = B.call(module["depthwise_fwd"], "fwd", "NHWC", B._prepare(conv, "fwd", "NHWC", torch.device("cpu"))[0],
-                 tuple(ref.shape))
+    inputs, ref = runner.prepare(conv, "fwd", "NHWC", torch.device("cpu"))
+    out = runner.call(module["depthwise_fwd"], "fwd", "NHWC", inputs, tuple(ref.shape))
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

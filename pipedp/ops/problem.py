@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ..checks import positive_int
+
 __all__ = ["DepthwiseConv", "OPS"]
 
 OPS = ("fwd", "dgrad", "wgrad")
@@ -38,9 +40,7 @@ class DepthwiseConv:
 
     def __post_init__(self) -> None:
         for name in ("n", "c", "h", "w", "multiplier"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+            positive_int(name, getattr(self, name))
         object.__setattr__(self, "kernel", _pair(self.kernel, "kernel", 1))
         object.__setattr__(self, "stride", _pair(self.stride, "stride", 1))
         object.__setattr__(self, "padding", _pair(self.padding, "padding", 0))

@@ -9,8 +9,12 @@ import torch
 tvm = pytest.importorskip("tvm")
 import tvm_ffi  # noqa: E402
 
-from kernels.tvm import build as B, threads  # noqa: E402
-from kernels.tvm.problem import DepthwiseConv  # noqa: E402
+from pipedp.kernels.tvm import runner  # noqa: E402
+from pipedp.kernels.tvm.builder import build  # noqa: E402
+from pipedp.kernels.tvm.target import make_target  # noqa: E402
+from pipedp.kernels.tvm.template import get_template  # noqa: E402
+from pipedp.ops import threads  # noqa: E402
+from pipedp.ops.problem import DepthwiseConv  # noqa: E402
 
 
 def _tvm_threads() -> int:
@@ -39,11 +43,11 @@ def test_configure_rejects_bad_counts(bad):
 
 def test_kernel_calls_follow_torch(torch_threads):
     conv = DepthwiseConv(2, 8, 6, 6, padding=(1, 1))
-    target = B.make_target("cpu")
-    kernel = B.build(conv, "fwd", B.space(conv, "fwd", target).sample(random.Random(0)), target)
-    inputs, ref = B.reference(conv, "fwd", torch.device("cpu"))
+    target = make_target("cpu")
+    kernel = build(conv, "fwd", get_template(target).space(conv, "fwd").sample(random.Random(0)), target)
+    inputs, ref = runner.reference(conv, "fwd", torch.device("cpu"))
     for n in (1, 2):
         torch.set_num_threads(n)
-        out = B.call(kernel, "fwd", "NCHW", inputs, tuple(ref.shape))
+        out = runner.call(kernel, "fwd", "NCHW", inputs, tuple(ref.shape))
         assert _tvm_threads() == n
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

@@ -10,10 +10,9 @@ timed with the threads it later gets, and ``torch.set_num_threads`` (or
 process may use (its affinity mask).
 
 TVM's workers also spin (300k polls) after each kernel waiting for the next,
-which takes a core from the torch op that follows; in a training step on 2
-vCPUs that cost more than the kernels saved (MobileNetV2: 0.70x of plain
-torch with the spin, 0.89x without). Unless ``TVM_THREAD_POOL_SPIN_COUNT`` is
-set, the pool is created with no spin.
+which takes a core from the torch op that follows; in a training step that
+cost more than the kernels saved (the README has the figures). Unless
+``TVM_THREAD_POOL_SPIN_COUNT`` is set, the pool is created with no spin.
 
 Needs the TVM runtime loaded (``import tvm`` on the compiler side,
 :mod:`pipedp.ops.runtime` on the training side).
@@ -26,6 +25,8 @@ import threading
 
 import torch
 
+from ..checks import positive_int
+
 __all__ = ["match_torch", "configure"]
 
 # TVM's ThreadPool::AffinityMode: workers share all of the listed CPUs.
@@ -37,8 +38,7 @@ _configured: int | None = None
 def configure(threads: int) -> None:
     """Make TVM's pool ``threads`` wide (raises ``ValueError`` for fewer than 1)."""
     global _configured
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"threads must be a positive int, got {threads!r}")
+    positive_int("threads", threads)
     import tvm_ffi
 
     os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")  # read when the pool starts its workers

@@ -1,0 +1,76 @@
+"""``pipedp.wrap``: the one call most users need, with every option as a typed keyword."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+from torch import nn
+
+from .device import DeviceSpec
+from .distributed import DEFAULT_TIMEOUT_S
+from .engine import Engine
+from .optimizer import OptimizerSpec
+from .options import DEFAULT_BUCKET_MB, DataParallelOptions, KernelOptions, PipelineOptions
+from .planner import StagesSpec
+from .step import LossFn
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["wrap"]
+
+
+def wrap(
+    model: nn.Module,
+    *,
+    optimizer: OptimizerSpec = None,
+    loss_fn: LossFn | None = None,
+    microbatches: int = 4,
+    stages: StagesSpec = "auto",
+    schedule: str = "1f1b",
+    devices: DeviceSpec = None,
+    batchnorm: str = "microbatch",
+    profile: bool = True,
+    depth: int = 1,
+    sample: torch.Tensor | Sequence[int] | None = None,
+    measure_steps: int = 3,
+    progress: bool = True,
+    cuda_graph: bool = False,
+    pp: int = 1,
+    mesh: DeviceMesh | None = None,
+    dp_group: ProcessGroup | None = None,
+    pp_group: ProcessGroup | None = None,
+    bucket_mb: float = DEFAULT_BUCKET_MB,
+    reduce_dtype: torch.dtype | None = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    distributed: bool = True,
+    kernels: str = "auto",
+    kernel_db: str | None = None,
+) -> Engine:
+    """Cut ``model`` into balanced stages and train it as a microbatch pipeline.
+
+    The keywords are those of :class:`~pipedp.PipelineOptions` (microbatches
+    to cuda_graph), :class:`~pipedp.DataParallelOptions` (pp to timeout;
+    ``distributed`` is its ``enabled``) and :class:`~pipedp.KernelOptions`
+    (``kernels``, ``kernel_db``); ``sample`` (a batch or its shape) plans now
+    instead of on the first batch. ``optimizer`` is built on
+    ``model.parameters()`` (or a factory of them); ``loss_fn(output, target)``
+    returns a scalar with a mean reduction.
+    """
+    return Engine(
+        model,
+        optimizer=optimizer,
+        loss_fn=loss_fn,
+        pipeline=PipelineOptions(
+            microbatches=microbatches, stages=stages, schedule=schedule, devices=devices, batchnorm=batchnorm,
+            profile=profile, depth=depth, measure_steps=measure_steps, progress=progress, cuda_graph=cuda_graph,
+        ),
+        data_parallel=DataParallelOptions(
+            enabled=distributed, pp=pp, mesh=mesh, dp_group=dp_group, pp_group=pp_group, bucket_mb=bucket_mb,
+            reduce_dtype=reduce_dtype, timeout=timeout,
+        ),
+        kernels=KernelOptions(mode=kernels, db=kernel_db),
+        sample=sample,
+    )

@@ -1,0 +1,171 @@
+"""The build step: a model, a sample batch, options and a communicator in; a ready pipeline out.
+
+It cuts the model into blocks, checks the chain, profiles the blocks (or
+estimates them), chooses the cut (one rank decides, every rank follows),
+places the stages on devices and lanes, and makes what a step needs around
+the executor: gradient sync, BatchNorm handling, the buffer snapshot that
+undoes a failed step. It changes nothing but the model's placement (and,
+for ``batchnorm="batch"``, its BatchNorm hooks); the engine keeps the result.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from .comm import Communicator
+from .options import PipelineOptions
+from .partition.blocks import Block, Chain, blocks_of, check_chain, module_mode
+from .partition.profile import BlockProfile, estimate_blocks, profile_blocks
+from .pipeline import microbatch
+from .pipeline.batchnorm import DeferredBatchNorm
+from .pipeline.executor import Executor
+from .pipeline.gradsync import GradSync
+from .pipeline.graphed import captured_call
+from .pipeline.p2p import Transport
+from .pipeline.schedule import get_schedule
+from .pipeline.stage import Stage
+from .pipeline.stream import new_lane
+from .plan import Plan
+from .planner import action_durations, build_plan, resolve_counts, stage_devices, stage_places, stage_times
+from .snapshot import BufferSnapshot, preserved_state
+
+__all__ = ["Pipeline", "build_pipeline", "sync_devices"]
+
+
+@dataclass
+class Pipeline:
+    """Everything one engine runs each step, made once from the first batch."""
+
+    executor: Executor
+    plan: Plan
+    sync: GradSync | None  # gradient averaging over data-parallel replicas
+    transport: Transport | None  # messages between pipeline ranks
+    batchnorm: DeferredBatchNorm | None  # batchnorm="batch": one statistics update per step
+    buffers: BufferSnapshot  # to put buffers back after a failed step
+
+
+@dataclass(frozen=True)
+class _Parts:
+    blocks: list[Block]
+    copy_input: list[bool]  # per block: its forward changes its input in place
+
+
+def sync_devices(devices: Sequence[torch.device]) -> None:
+    """Wait for every CUDA device in ``devices`` (a no-op on CPUs)."""
+    for d in devices:
+        if d.type == "cuda":
+            torch.cuda.synchronize(d)
+
+
+def _surrogate_loss(out: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
+    return out.float().mean()
+
+
+def _executor(
+    parts: _Parts, counts: Sequence[int], devices: Sequence[torch.device], options: PipelineOptions,
+    comm: Communicator, profiles: Sequence[BlockProfile] | None = None, step: int = 0,
+) -> tuple[Executor, Transport | None]:
+    """This rank's stages of the cut ``counts`` on their devices and lanes, with the schedule to run them."""
+    places = stage_places(len(counts), devices, comm.pp)
+    stages, start = [], 0
+    for s, k in enumerate(counts):
+        r, dev = places[s]
+        if r == comm.pp_rank:
+            chain = Chain(list(parts.blocks[start : start + k])).to(dev)
+            stages.append(Stage(s, chain, dev, new_lane(dev, f"stage{s}"), copy_input=parts.copy_input[start]))
+        start += k
+    duration = action_durations(*stage_times(profiles, counts)) if profiles is not None else None
+    schedule = get_schedule(options.schedule)(len(counts), options.microbatches)
+    transport = comm.transport(devices[0], step)
+    stage_rank = comm.stage_ranks([r for r, _ in places])
+    if stage_rank is None:
+        return Executor(stages, schedule, duration=duration), None
+    return Executor(stages, schedule, duration=duration, stage_rank=stage_rank, rank=comm.rank,
+                    transport=transport), transport
+
+
+def _trial_ms(parts: _Parts, counts: list[int], batch: torch.Tensor, model: nn.Module,
+              devices: Sequence[torch.device], options: PipelineOptions, comm: Communicator) -> float:
+    """Median time of a few forward+backward passes of one candidate cut (no optimizer step).
+
+    With ``cuda_graph`` the candidate is timed captured, as it will run.
+    """
+    ex, _ = _executor(parts, counts, devices, options, comm)
+    xs = microbatch.split(batch.to(devices[0]), options.microbatches)
+    ys = [t.to(ex.stages[-1].device) for t in xs]
+    w = microbatch.shares([t.shape[0] for t in xs])
+
+    def run() -> object:
+        return ex.train(xs, ys, w, _surrogate_loss)
+
+    if options.cuda_graph:
+        run = captured_call(run, devices[0], before=lambda: model.zero_grad(set_to_none=True))
+    times = []
+    for r in range(4):
+        sync_devices(devices)
+        t0 = time.perf_counter()
+        run()
+        sync_devices(devices)
+        if r:
+            times.append((time.perf_counter() - t0) * 1e3)
+    model.zero_grad(set_to_none=True)
+    return statistics.median(times)
+
+
+def _decide(parts: _Parts, model: nn.Module, sample: torch.Tensor, batch: torch.Tensor,
+            devices: Sequence[torch.device], options: PipelineOptions, comm: Communicator) \
+        -> tuple[list[BlockProfile], list[int], list[str]]:
+    """Profile the blocks and choose the cut (on the deciding rank)."""
+    with preserved_state(model, devices), module_mode(model, training=True):
+        if options.profile:
+            profiles = profile_blocks(parts.blocks, sample, progress=options.progress, copy_input=parts.copy_input)
+        else:
+            profiles = estimate_blocks(parts.blocks, sample)
+        counts, notes = resolve_counts(
+            profiles, options.stages, devices, options.microbatches, options.schedule,
+            measure=lambda c: _trial_ms(parts, c, batch, model, devices, options, comm), ranks=comm.pp,
+        )
+    return list(profiles), counts, notes
+
+
+def build_pipeline(model: nn.Module, batch: torch.Tensor, options: PipelineOptions,
+                   devices: Sequence[torch.device], comm: Communicator, *, step: int = 0) -> Pipeline:
+    """The pipeline for ``model`` planned on ``batch`` (its first microbatch is what blocks are timed on)."""
+    sizes = microbatch.sizes(batch.shape[0], options.microbatches)
+    first = devices[0]
+    model.to(first)
+    sample = batch[: sizes[0]].to(first)
+    if options.stages == 1 and comm.pp == 1:
+        parts = _Parts([Block("model", model)], [False])
+    else:
+        blocks = blocks_of(model, depth=options.depth)
+        parts = _Parts(blocks, check_chain(model, blocks, sample))
+    # Every rank must run the same cut: the first rank decides, the others follow.
+    profiles, counts, notes = comm.decide(lambda: _decide(parts, model, sample, batch, devices, options, comm))
+    per_rank = len(counts) // comm.pp
+    if len(devices) > 1:
+        notes = notes + [f"blocks were profiled on {first}; the other devices are assumed alike"]
+    used = len(set(stage_devices(per_rank, devices)))
+    if used < len(devices):
+        notes = notes + [f"{per_rank} stage(s) per rank use {used} of {len(devices)} devices"]
+    executor, transport = _executor(parts, counts, devices, options, comm, profiles, step)
+    plan = build_plan(
+        profiles, counts, devices, microbatches=options.microbatches, microbatch_size=sizes[0],
+        schedule=options.schedule, batchnorm=options.batchnorm,
+        source="profile" if options.profile else "cost model", notes=notes,
+        ranks=comm.pp, layout=comm.describe(),
+    )
+    return Pipeline(
+        executor=executor,
+        plan=plan,
+        sync=comm.grad_sync(executor.stages),
+        transport=transport,
+        batchnorm=DeferredBatchNorm(model) if options.batchnorm == "batch" else None,
+        buffers=BufferSnapshot(model),
+    )

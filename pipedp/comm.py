@@ -1,0 +1,219 @@
+"""One interface for what differs between a single process and ``torch.distributed``.
+
+The engine and the build step talk to a :class:`Communicator` and never ask
+whether they are distributed: :class:`Local` is a data-parallel world of
+one (every collective is the identity), :class:`Distributed` wraps this
+rank's :class:`~pipedp.distributed.Layout` and does the collectives with
+``torch.distributed``. Every method of a distributed communicator that
+communicates is collective over the groups it names, so every rank calls it
+at the same point.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Protocol, Sequence, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .distributed import Layout, check_backend, missing_note, resolve_layout
+from .options import DataParallelOptions
+from .pipeline.gradsync import GradSync
+from .pipeline.p2p import Transport
+from .pipeline.stage import Stage
+from .state import broadcast_decision, gather_rng, merge_pipeline_state, share_loss
+
+__all__ = ["Communicator", "Local", "Distributed", "communicator"]
+
+T = TypeVar("T")
+StateDicts = tuple[dict[str, Any], "dict[str, Any] | None"]
+
+
+class Communicator(Protocol):
+    """What the engine needs from the processes it runs in."""
+
+    layout: Layout | None  # None in a single process
+    pp: int  # pipeline ranks of this pipeline
+    pp_rank: int
+    rank: int  # global rank
+    world: int
+
+    def describe(self) -> str:
+        """Where this process sits among the ranks ("" for a single process)."""
+
+    def check(self, devices: Sequence[torch.device], cuda_graph: bool) -> None:
+        """Refuse devices or options this world cannot run."""
+
+    def decide(self, fn: Callable[[], T]) -> T:
+        """``fn()`` computed once and the same answer on every rank (its exception re-raised on all)."""
+
+    def stage_ranks(self, stage_pp_ranks: Sequence[int]) -> list[int] | None:
+        """Global rank of each stage, given its pipeline rank (None when every stage is local)."""
+
+    def transport(self, device: torch.device, step: int) -> Transport | None:
+        """Point-to-point messages between pipeline ranks (None without pipeline ranks)."""
+
+    def grad_sync(self, stages: Sequence[Stage]) -> GradSync | None:
+        """Gradient averaging over the data-parallel replicas (None for one replica)."""
+
+    def share_loss(self, loss: torch.Tensor | None, device: torch.device, step: int) -> torch.Tensor | None:
+        """The step's loss on every pipeline rank."""
+
+    def failure_note(self, step: int) -> str:
+        """A sentence for an error of ``step``: which ranks are gone."""
+
+    def model_state(self, model: nn.Module, stages: Sequence[Stage] | None,
+                    optimizer: torch.optim.Optimizer | None) -> StateDicts:
+        """Full model and optimizer state dicts (pipeline ranks' stages merged; None: not built yet)."""
+
+    def rng_states(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every rank's RNG state, by global rank."""
+
+    def writes_files(self) -> bool:
+        """Whether this rank writes shared files (checkpoints)."""
+
+    def barrier(self) -> None: ...
+
+    def own_path(self, path: str) -> str:
+        """A per-rank file name for files every rank writes (traces)."""
+
+
+def _local_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> StateDicts:
+    return model.state_dict(), optimizer.state_dict() if optimizer is not None else None
+
+
+class Local:
+    """A single process: one replica, one pipeline rank, collectives are the identity."""
+
+    layout = None
+    pp = 1
+    pp_rank = 0
+    rank = 0
+    world = 1
+
+    def describe(self) -> str:
+        return ""
+
+    def check(self, devices: Sequence[torch.device], cuda_graph: bool) -> None:
+        return None
+
+    def decide(self, fn: Callable[[], T]) -> T:
+        return fn()
+
+    def stage_ranks(self, stage_pp_ranks: Sequence[int]) -> list[int] | None:
+        return None
+
+    def transport(self, device: torch.device, step: int) -> Transport | None:
+        return None
+
+    def grad_sync(self, stages: Sequence[Stage]) -> GradSync | None:
+        return None
+
+    def share_loss(self, loss: torch.Tensor | None, device: torch.device, step: int) -> torch.Tensor | None:
+        return loss
+
+    def failure_note(self, step: int) -> str:
+        return ""
+
+    def model_state(self, model: nn.Module, stages: Sequence[Stage] | None,
+                    optimizer: torch.optim.Optimizer | None) -> StateDicts:
+        return _local_state(model, optimizer)
+
+    def rng_states(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
+        return [mine]
+
+    def writes_files(self) -> bool:
+        return True
+
+    def barrier(self) -> None:
+        return None
+
+    def own_path(self, path: str) -> str:
+        return path
+
+
+class Distributed:
+    """This rank in a data-parallel x pipeline layout over ``torch.distributed``."""
+
+    def __init__(self, layout: Layout, options: DataParallelOptions) -> None:
+        self.layout = layout
+        self.options = options
+        self.pp, self.pp_rank = layout.pp, layout.pp_rank
+        self.rank, self.world = layout.rank, layout.world
+
+    def describe(self) -> str:
+        return self.layout.describe()
+
+    def check(self, devices: Sequence[torch.device], cuda_graph: bool) -> None:
+        check_backend(list(devices), self.pp)
+        if cuda_graph:
+            raise ValueError(
+                "cuda_graph=True is not supported under torch.distributed yet: pass cuda_graph=False "
+                "(collectives and transfers are issued eagerly)"
+            )
+
+    def decide(self, fn: Callable[[], T]) -> T:
+        lay = self.layout
+        answer: Any = None
+        if lay.dp_rank == 0 and lay.pp_rank == 0:
+            try:
+                answer = fn()
+            except Exception as e:
+                answer = e  # the other ranks must not wait for an answer forever
+        answer = broadcast_decision(answer, lay)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def stage_ranks(self, stage_pp_ranks: Sequence[int]) -> list[int] | None:
+        return [self.layout.pp_peer(r) for r in stage_pp_ranks] if self.pp > 1 else None
+
+    def transport(self, device: torch.device, step: int) -> Transport | None:
+        if self.pp == 1:
+            return None
+        return Transport(self.layout.pp_group, device, self.layout.timeout, step=step)
+
+    def grad_sync(self, stages: Sequence[Stage]) -> GradSync | None:
+        return GradSync(
+            [list(st.chain.parameters()) for st in stages], self.layout.dp_group,
+            bucket_bytes=self.options.bucket_bytes, reduce_dtype=self.options.reduce_dtype,
+            timeout=self.layout.timeout,
+        )
+
+    def share_loss(self, loss: torch.Tensor | None, device: torch.device, step: int) -> torch.Tensor | None:
+        return share_loss(loss, self.layout, device, step) if self.pp > 1 else loss
+
+    def failure_note(self, step: int) -> str:
+        return missing_note(step, self.world)
+
+    def model_state(self, model: nn.Module, stages: Sequence[Stage] | None,
+                    optimizer: torch.optim.Optimizer | None) -> StateDicts:
+        if self.pp == 1 or stages is None:
+            return _local_state(model, optimizer)
+        return merge_pipeline_state(model, stages, optimizer, self.layout)
+
+    def rng_states(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
+        return gather_rng(mine)
+
+    def writes_files(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def own_path(self, path: str) -> str:
+        if self.world == 1:
+            return path
+        stem, suffix = os.path.splitext(path)
+        return f"{stem}.rank{self.rank}{suffix}"
+
+
+def communicator(options: DataParallelOptions) -> Communicator:
+    """The communicator for this process: distributed whenever a process group exists (unless disabled)."""
+    layout = None
+    if options.enabled:
+        layout = resolve_layout(pp=options.pp, mesh=options.mesh, dp_group=options.dp_group,
+                                pp_group=options.pp_group, timeout=options.timeout)
+    return Local() if layout is None else Distributed(layout, options)

@@ -1,0 +1,146 @@
+"""The options of an engine, in three small groups that validate themselves when made.
+
+:func:`pipedp.wrap` takes them as flat keywords; :class:`pipedp.Engine`
+takes the groups, which a user may build, keep and reuse (one
+``DataParallelOptions`` for several models, say). A bad value fails when the
+group is made, before any model is touched.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from .device import DeviceSpec
+from .checks import non_negative_int, one_of, positive_int, positive_number
+from .distributed import DEFAULT_TIMEOUT_S
+from .ops.swap import KERNEL_MODES
+from .pipeline.gradsync import DEFAULT_BUCKET_BYTES
+from .pipeline.schedule import get_schedule
+from .planner import StagesSpec
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = [
+    "PipelineOptions", "DataParallelOptions", "KernelOptions", "DeviceSpec", "StagesSpec",
+    "BATCHNORM_MODES", "DEFAULT_BUCKET_MB",
+]
+
+BATCHNORM_MODES = ("microbatch", "batch")
+DEFAULT_BUCKET_MB = DEFAULT_BUCKET_BYTES / 2**20  # DDP's bucket_cap_mb
+
+
+def _stages(v: object) -> StagesSpec:
+    if isinstance(v, bool) or not (v == "auto" or isinstance(v, (int, list, tuple))):
+        raise ValueError(f"stages must be an int, 'auto' or a list of block counts, got {v!r}")
+    if isinstance(v, int):
+        positive_int("stages", v)
+    return v  # type: ignore[return-value]
+
+
+def _flag(name: str, v: object) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError(f"{name} must be True or False, got {v!r}")
+    return v
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """How the model is cut and run.
+
+    ``stages``: ``"auto"``, a number of stages, or block counts per stage.
+    ``schedule``: ``"1f1b"`` (less activation memory) or ``"gpipe"``.
+    ``devices``: device(s) for the stages (default: the model's); several stages
+    may share one CUDA device, each on its own stream. ``batchnorm``:
+    ``"microbatch"`` (running statistics per microbatch, as GPipe) or
+    ``"batch"`` (one update per step from the whole batch). ``profile``:
+    measure block times, or use the FLOP/byte cost model. ``depth``: levels of
+    nested ``nn.Sequential`` to cut into. ``measure_steps``: training steps
+    timed per stage for ``engine.plan``. ``cuda_graph``: on one CUDA device,
+    capture the whole step after two eager steps and replay it (optimizers
+    with step counters need ``capturable=True``).
+    """
+
+    microbatches: int = 4
+    stages: StagesSpec = "auto"
+    schedule: str = "1f1b"
+    devices: DeviceSpec = None
+    batchnorm: str = "microbatch"
+    profile: bool = True
+    depth: int = 1
+    measure_steps: int = 3
+    progress: bool = True
+    cuda_graph: bool = False
+
+    def __post_init__(self) -> None:
+        positive_int("microbatches", self.microbatches)
+        _stages(self.stages)
+        get_schedule(self.schedule)
+        one_of("batchnorm", self.batchnorm, BATCHNORM_MODES)
+        positive_int("depth", self.depth)
+        non_negative_int("measure_steps", self.measure_steps)
+        for name in ("profile", "progress", "cuda_graph"):
+            _flag(name, getattr(self, name))
+
+
+@dataclass(frozen=True)
+class DataParallelOptions:
+    """How the engine trains under ``torch.distributed`` (ignored when no process group exists).
+
+    ``pp``: pipeline ranks; the world is laid out as ``world // pp`` replicas of
+    a pipeline over ``pp`` ranks. Or a ``mesh`` with dims ``("dp", "pp")`` /
+    ``("dp",)``, or explicit ``dp_group``/``pp_group``. ``bucket_mb``: gradient
+    all-reduce bucket size (DDP's ``bucket_cap_mb``). ``reduce_dtype``:
+    ``torch.bfloat16``/``torch.float16`` all-reduce gradients in half the bytes.
+    ``timeout``: seconds a collective or transfer may take before the step fails
+    with :class:`pipedp.DistributedError`. ``enabled=False`` trains this process
+    on its own even when a process group exists.
+    """
+
+    enabled: bool = True
+    pp: int = 1
+    mesh: DeviceMesh | None = None
+    dp_group: ProcessGroup | None = None
+    pp_group: ProcessGroup | None = None
+    bucket_mb: float = DEFAULT_BUCKET_MB
+    reduce_dtype: torch.dtype | None = None
+    timeout: float = DEFAULT_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        _flag("distributed", self.enabled)
+        positive_int("pp", self.pp)
+        positive_number("bucket_mb", self.bucket_mb, "MiB")
+        positive_number("timeout", self.timeout, "seconds")
+        if self.reduce_dtype not in (None, torch.bfloat16, torch.float16):
+            raise ValueError(f"reduce_dtype must be None, torch.bfloat16 or torch.float16, got {self.reduce_dtype!r}")
+
+    @property
+    def bucket_bytes(self) -> int:
+        return int(self.bucket_mb * 2**20)
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """Which depthwise-convolution kernels the model's layers run.
+
+    ``mode="auto"``: the tuned TVM kernels exported by ``tune-kernels`` where one
+    exists for the layer's shape and measured faster than torch (torch
+    elsewhere; on a CPU only where the kernels share torch's OpenMP team),
+    ``"tvm"``: every tuned kernel, a missing one is an error, ``"torch"``: never.
+    ``db``: the ``tune-kernels --db`` folder (default: the per-user cache).
+    """
+
+    mode: str = "auto"
+    db: str | os.PathLike[str] | None = None
+
+    def __post_init__(self) -> None:
+        one_of("kernels", self.mode, KERNEL_MODES)
+        if self.db is not None:
+            if not isinstance(self.db, (str, os.PathLike)):
+                raise ValueError(f"kernel_db must be a folder path, got {type(self.db).__name__}")
+            object.__setattr__(self, "db", os.fspath(self.db))

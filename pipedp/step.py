@@ -1,0 +1,128 @@
+"""One training step of a built pipeline: microbatches through the schedule, then the optimizer.
+
+A step equals plain PyTorch running the same microbatches with gradient
+accumulation (each microbatch's mean loss weighted by its share of the
+batch) followed by the same optimizer step. If anything fails before the
+optimizer runs, buffers are put back and gradients cleared, so parameters,
+optimizer state and BatchNorm statistics are as before the step. With a
+CUDA graph the whole step is captured after two eager steps of the same
+signature and replayed; a traced step always runs eagerly (a graph would
+hide its inside).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .build import Pipeline
+from .comm import Communicator
+from .distributed import DistributedError
+from .pipeline import microbatch
+from .pipeline.executor import StepTimer
+from .pipeline.graphed import StepGraph, hyper_signature
+from .pipeline.stream import current_lane
+from .pipeline.trace import step_spans, write_trace
+
+__all__ = ["StepRunner", "LossFn"]
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class StepRunner:
+    """Runs training steps of ``pipe`` for ``model`` with ``optimizer`` and ``loss_fn``."""
+
+    def __init__(self, model: nn.Module, pipe: Pipeline, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
+                 comm: Communicator, microbatches: int, cuda_graph: bool) -> None:
+        self.model, self.pipe, self.optimizer, self.loss_fn = model, pipe, optimizer, loss_fn
+        self.comm, self.microbatches = comm, microbatches
+        self.graph = StepGraph(self.graph_body) if cuda_graph else None
+        self.updates: list[tuple] = []  # the last traced step's optimizer marks
+        self.replayed = False  # whether the last step was a graph replay (no per-stage timings)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, index: int, timer: StepTimer | None = None) -> torch.Tensor:
+        """Step number ``index`` on ``(x, y)`` (already on the first and last stage's devices)."""
+        graph = self.graph if timer is None or timer.clock is None else None
+        self.replayed = False
+        if graph is not None:
+            hyper = hyper_signature(self.optimizer)
+            if not graph.replayable(x, y, hyper) and graph.due(x, y, hyper):
+                graph.capture(x, y, hyper, before=lambda: self.model.zero_grad(set_to_none=True))
+            if graph.replayable(x, y, hyper):
+                self.replayed = True
+                return graph.replay(x, y)
+            graph.note_eager(x, y, hyper)
+        self._zero_grads()
+        self.pipe.buffers.save()
+        for part in (self.pipe.sync, self.pipe.transport):
+            if part is not None:
+                part.step = index
+        try:
+            loss = self._forward_backward(x, y, timer)
+            if self.pipe.sync is not None:
+                self.pipe.sync.wait()
+            loss = self.comm.share_loss(loss, self.pipe.executor.stages[-1].device, index)
+        except DistributedError as e:
+            self.recover()
+            raise DistributedError(f"{e}{self.comm.failure_note(index)}") from e.__cause__
+        except BaseException:
+            self.recover()
+            raise
+        clock = timer.clock if timer is not None else None
+        devices = self.pipe.executor.devices
+        marks = [(d, clock.mark(current_lane(d))) for d in devices] if clock is not None else []
+        self._update()
+        if clock is not None:
+            assert timer is not None
+            self.updates = [(d, m, clock.mark(current_lane(d))) for d, m in marks]
+        return loss  # type: ignore[return-value]
+
+    def write_trace(self, path: str, timer: StepTimer, index: int, schedule: str) -> None:
+        """The step just run with ``timer`` (made with a clock) as a Chrome/Perfetto trace at ``path``."""
+        assert timer.clock is not None
+        where = self.comm.describe() or "single process"
+        meta = {"step": index, "microbatches": self.microbatches, "schedule": schedule, "where": where,
+                "plan": str(self.pipe.plan)}
+        spans = step_spans(self.pipe.executor.stages, timer.clock, timer, self.pipe.sync, self.updates)
+        write_trace(path, spans, process=f"pipedp ({where})", metadata=meta)
+
+    def _forward_backward(self, x: torch.Tensor, y: torch.Tensor, timer: StepTimer | None = None) \
+            -> torch.Tensor | None:
+        xs, ys = microbatch.split(x, self.microbatches), microbatch.split(y, self.microbatches)
+        weights = microbatch.shares([t.shape[0] for t in xs])
+        if self.pipe.batchnorm is not None:
+            self.pipe.batchnorm.begin()
+        return self.pipe.executor.train(xs, ys, weights, self.loss_fn, timer, sync=self.pipe.sync)
+
+    def _update(self) -> None:
+        if self.pipe.batchnorm is not None:
+            self.pipe.batchnorm.commit()
+        self.optimizer.step()
+
+    def graph_body(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The captured step: forward, backward and update, no host sync."""
+        loss = self._forward_backward(x, y)
+        self._update()
+        assert loss is not None
+        return loss
+
+    def _zero_grads(self) -> None:
+        if self.pipe.sync is not None:
+            # Gradients are views into the all-reduce buckets.
+            self.model.zero_grad(set_to_none=True)
+            self.pipe.sync.attach()
+            return
+        # Once a CUDA graph holds the gradient buffers they are zeroed in place.
+        self.model.zero_grad(set_to_none=self.graph is None or not self.graph.captured)
+
+    def recover(self) -> None:
+        """Undo a step that failed before the optimizer ran."""
+        self.pipe.executor._join()
+        if self.pipe.transport is not None:
+            self.pipe.transport.reset()
+        if self.pipe.batchnorm is not None:
+            self.pipe.batchnorm.abort()
+        self.pipe.buffers.restore()
+        self._zero_grads()

@@ -1,0 +1,44 @@
+"""The build step on its own: a ready pipeline from a model, a batch, options and a communicator."""
+
+import torch
+from torch import nn
+
+from pipedp.build import build_pipeline
+from pipedp.comm import Local
+from pipedp.options import PipelineOptions
+from pipedp.step import StepRunner
+from tests.reference import clone, data, max_diff, plain_steps, sequential_cnn
+
+CPU = [torch.device("cpu")]
+
+
+def test_build_gives_a_pipeline_and_leaves_the_weights_alone():
+    model = sequential_cnn()
+    before = clone(model)
+    pipe = build_pipeline(model, torch.randn(8, 3, 16, 16), PipelineOptions(microbatches=2, stages=3, profile=False),
+                          CPU, Local())
+    assert pipe.plan.counts == [len(st.chain.names) for st in pipe.executor.stages] and len(pipe.plan.stages) == 3
+    assert sum(pipe.plan.counts) == 9 and pipe.plan.microbatch_size == 4
+    assert pipe.sync is None and pipe.transport is None and pipe.batchnorm is None
+    assert max_diff(model, before) == 0 and all(p.grad is None for p in model.parameters())
+
+
+def test_batchnorm_batch_mode_gets_its_deferred_statistics():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4 * 6 * 6, 2))
+    pipe = build_pipeline(model, torch.randn(4, 3, 8, 8),
+                          PipelineOptions(microbatches=2, stages=2, batchnorm="batch", profile=False), CPU, Local())
+    assert pipe.batchnorm is not None
+
+
+def test_a_step_runner_over_a_built_pipeline_equals_plain_training():
+    model = sequential_cnn()
+    ref = clone(model)
+    batches = data(n=8)
+    opts = PipelineOptions(microbatches=2, stages=2, profile=False)
+    pipe = build_pipeline(model, batches[0][0], opts, CPU, Local())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    runner = StepRunner(model, pipe, opt, nn.CrossEntropyLoss(), Local(), opts.microbatches, cuda_graph=False)
+    for i, (x, y) in enumerate(batches):
+        runner.step(x, y, i)
+    plain_steps(ref, batches, microbatches=2)
+    assert max_diff(model, ref) <= 1e-5

@@ -1,0 +1,56 @@
+"""Buffers, gradients and RNG streams put back as they were."""
+
+import random
+
+import numpy as np
+import torch
+from torch import nn
+
+from pipedp import checkpoint
+from pipedp.snapshot import BufferSnapshot, preserved_state, rng_state, set_rng_state
+
+
+def _bn_model():
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+
+
+def test_buffer_snapshot_restores_after_each_save():
+    model = _bn_model()
+    snap = BufferSnapshot(model)
+    snap.restore()  # nothing saved yet: a no-op
+    snap.save()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model(torch.randn(2, 3, 5, 5))  # training mode: running stats and the step counter move
+    assert not torch.equal(model[1].running_mean, before["1.running_mean"])
+    snap.restore()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    model(torch.randn(2, 3, 5, 5))
+    snap.save()  # refreshed in place: the next restore goes back to this point
+    later = model[1].running_mean.clone()
+    model(torch.randn(2, 3, 5, 5))
+    snap.restore()
+    assert torch.equal(model[1].running_mean, later)
+
+
+def test_preserved_state_puts_back_buffers_grads_and_rng():
+    model = _bn_model()
+    model[0].weight.grad = torch.ones_like(model[0].weight)
+    grad = model[0].weight.grad
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    with preserved_state(model):
+        model(torch.randn(2, 3, 5, 5))  # moves BatchNorm's statistics and draws from the RNG
+        model[0].weight.grad = None
+        model[0].bias.grad = torch.zeros_like(model[0].bias)
+    assert model[0].weight.grad is grad and model[0].bias.grad is None
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_rng_round_trip_through_a_data_only_file(tmp_path):
+    torch.manual_seed(1), random.seed(1), np.random.seed(1)
+    checkpoint.save({"rng": rng_state()}, tmp_path / "r.pt")
+    first = (torch.rand(3), random.random(), np.random.rand(3))
+    set_rng_state(checkpoint.load(tmp_path / "r.pt")["rng"])
+    again = (torch.rand(3), random.random(), np.random.rand(3))
+    assert torch.equal(first[0], again[0]) and first[1] == again[1] and np.array_equal(first[2], again[2])
