@@ -5,16 +5,22 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
+# pip shows what it downloads and installs (a few minutes the first time); PIP_FLAGS=-q silences it.
+PIP_FLAGS ?=
 
 .PHONY: setup reproduce demo test test-slow wheel-check clean
 
 setup: $(VENV)/.ready
 
 $(VENV)/.ready: pyproject.toml
+	@echo "== setup: a virtualenv in $(VENV) with torch, pipedp and its extras (a few minutes the first time)"
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev,tvm,experiments]"
+	@$(PY) -c "import torch" 2>/dev/null || { echo "== setup: $(TORCH_SPEC), the largest download"; \
+		$(PY) -m pip install $(PIP_FLAGS) "$(TORCH_SPEC)"; }
+	@echo "== setup: pipedp (editable) with its dev, tvm and experiments extras"
+	$(PY) -m pip install $(PIP_FLAGS) -e ".[dev,tvm,experiments]"
 	touch $@
+	@echo "== setup: done; the venv's programs (torchrun, tune-kernels, reproduce-paper) are in $(VENV)/bin"
 
 reproduce: setup
 	$(PY) -m experiments.reproduce_paper --quick --trace reproduce-out/trace.json --out reproduce-out

@@ -35,19 +35,20 @@ from typing import Any
 from unittest import mock
 
 import torch
-
-from .machine import describe
-from .report import write_json
-from pipedp.models import mobilenet_v2
 from pipedp.kernels.tvm import allocator
 from pipedp.kernels.tvm import builder as B
 from pipedp.kernels.tvm import runner as R
 from pipedp.kernels.tvm.cli import find_depthwise
-from pipedp.kernels.tvm.roofline import bound_us
 from pipedp.kernels.tvm.ops import OPS, DepthwiseConv, compute
+from pipedp.kernels.tvm.roofline import bound_us
 from pipedp.kernels.tvm.target import Target, make_target
 from pipedp.kernels.tvm.template import layouts_for
 from pipedp.kernels.tvm.tuner import History, tune
+
+from pipedp.models import mobilenet_v2
+
+from .machine import describe
+from .report import write_json
 
 SETS = {
     "32x32": (lambda: mobilenet_v2(cifar=True), (128, 3, 32, 32)),

@@ -26,13 +26,14 @@ import time
 from typing import Any, Callable
 
 import torch
+from pipedp.kernels.tvm import allocator
+from pipedp.kernels.tvm.cli import load_model, parse_input_shape
 from torch import nn
+
+from pipedp.ops.swap import swap_depthwise
 
 from .machine import describe, sync
 from .report import write_json
-from pipedp.kernels.tvm import allocator
-from pipedp.kernels.tvm.cli import load_model, parse_input_shape
-from pipedp.ops.swap import swap_depthwise
 
 __all__ = ["main", "train_step"]
 
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     plain = plain.to(device, memory_format=fmt)
     tuned = copy.deepcopy(plain)
     try:
-        swapped = swap_depthwise(tuned, "auto" if args.kernels == "faster" else "tvm", args.db, device)
+        swapped = swap_depthwise(tuned, "auto" if args.kernels == "faster" else "tvm", args.db, device).count
     except RuntimeError:  # no export for this device in the db
         swapped = 0
     if swapped == 0:

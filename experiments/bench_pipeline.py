@@ -33,10 +33,11 @@ from torch import nn
 
 import pipedp
 from pipedp import console
-from .machine import describe, sync
 from pipedp.models import get_model
-from .report import write_json
 from pipedp.pipeline.graphed import fresh_cublas_workspaces
+
+from .machine import describe, sync
+from .report import write_json
 
 PROG = "python -m experiments.bench_pipeline"
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -390,12 +391,7 @@ def bench(argv: Sequence[str] | None = None) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """python -m experiments.bench_pipeline: exit status 0 on success; a failure is one line on stderr, status 1."""
-
-    def status(a: Sequence[str] | None) -> int:
-        bench(a)
-        return 0
-
-    return console.run(status, argv, PROG)
+    return console.run_job(bench, argv, PROG)
 
 
 if __name__ == "__main__":

@@ -23,8 +23,9 @@ from torch import nn
 
 import pipedp
 from pipedp import console
-from .machine import describe, sync
 from pipedp.models import resnet18
+
+from .machine import describe, sync
 
 PROG = "python -m experiments.demo"
 
@@ -117,12 +118,7 @@ def demo(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """python -m experiments.demo: exit status 0 on success; a failure is one line on stderr, status 1."""
-
-    def status(a: Sequence[str] | None) -> int:
-        demo(a)
-        return 0
-
-    return console.run(status, argv, PROG)
+    return console.run_job(demo, argv, PROG)
 
 
 if __name__ == "__main__":

@@ -5,9 +5,11 @@ same batches (same shuffle, same augmentation): plain PyTorch training and the
 same model wrapped by pipedp. They are timed in alternating windows of steps
 (plain-pipedp, then pipedp-plain, ...) so both see the same machine state.
 Per epoch each run records training time, images/s, peak device memory (CUDA),
-mean training loss and test accuracy. ``--out`` gets results.json, table.md
-(laid out like the paper's table, its speedups beside ours), speedup.png and
-accuracy.png.
+mean training loss and test accuracy, and each timing window's times, since
+one speedup hides how much a shared machine varies: table.md gives the
+median and range of the per-window speedups beside the overall one.
+``--out`` gets results.json, table.md (laid out like the paper's table, its
+speedups beside ours), speedup.png and accuracy.png.
 
     reproduce-paper --quick                                      # offline digits, 2 CPU cores, minutes
     reproduce-paper --models resnet18,resnet34,resnet50 --dataset cifar10 --data-root ~/data --device cuda
@@ -29,18 +31,19 @@ from torch import nn
 
 import pipedp
 from pipedp import console
-from . import data as D
-from .machine import describe, sync
 from pipedp.models import MODELS
 
+from . import data as D
+from .machine import describe, sync
 from .models import paper_model
-from .paper_report import write_outputs
+from .paper_report import speedup_spread, write_outputs
 from .report import write_json
 
 __all__ = ["main", "reproduce", "run_model"]
 
 PROG = "reproduce-paper"
-QUICK = {"epochs": 1, "train": 512, "test": 256, "batch_size": 64}
+# --quick: 8 steps a model, in windows of 2 so that the spread of the windows says something.
+QUICK = {"epochs": 1, "train": 512, "test": 256, "batch_size": 64, "window": 2}
 
 
 @dataclass
@@ -57,6 +60,7 @@ class Run:
     peak: int = 0
     loss_sum: Any = 0.0
     steps: int = 0
+    window_s: list[float] = field(default_factory=list)  # every timing window's time, in order
 
 
 def _optimizer(model: nn.Module, lr: float, epochs: int) -> tuple[torch.optim.Optimizer, Any]:
@@ -102,6 +106,7 @@ def _windows(batches: Any, size: int) -> Any:
 
 
 def _timed_window(run: Run, batches: list, device: torch.device, bar: Any) -> None:
+    """Train ``run`` on ``batches``, adding the wall time to its total and to its list of windows."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     sync(device)
@@ -112,7 +117,9 @@ def _timed_window(run: Run, batches: list, device: torch.device, bar: Any) -> No
         if bar is not None:
             bar.update(1)
     sync(device)
-    run.time_s += time.perf_counter() - t0
+    dt = time.perf_counter() - t0
+    run.time_s += dt
+    run.window_s.append(dt)
     if device.type == "cuda":
         run.peak = max(run.peak, torch.cuda.max_memory_allocated(device))
 
@@ -147,12 +154,14 @@ def run_model(name: str, ds: D.Dataset, args: argparse.Namespace, device: torch.
     piped, engine = _pipedp(twin, lr, args.epochs, args, (args.batch_size, 3, ds.image_size, ds.image_size))
     setup_s = time.perf_counter() - t0
     runs = (plain, piped)
+    window_steps: list[int] = []
     for e in range(1, args.epochs + 1):
         times = {r.name: r.time_s for r in runs}
         bar = tqdm(total=2 * len(train), desc=f"{name} epoch {e}/{args.epochs}", unit="step", leave=False,
                    disable=not args.progress)
         traced_window = min(1, (len(train) - 1) // args.window)  # the second window: past warm-up
         for w, window in enumerate(_windows(train.epoch(e), args.window)):
+            window_steps.append(len(window))
             if device.type == "cuda":  # page-locked, so the prefetcher's copies overlap the steps
                 window = [(x.pin_memory(), y.pin_memory()) for x, y in window]
             if trace and e == 1 and w == traced_window:
@@ -179,8 +188,11 @@ def run_model(name: str, ds: D.Dataset, args: argparse.Namespace, device: torch.
                            "plan": str(plan), "plan_summary": _plan_summary(plan)}
     for run in runs:
         out[run.name] = {"epochs": run.epochs, "time_s": run.time_s, "final_acc": run.epochs[-1]["test_acc"],
-                         "peak_mem_mb": run.peak / 2**20 if device.type == "cuda" else None}
+                         "peak_mem_mb": run.peak / 2**20 if device.type == "cuda" else None,
+                         "window_s": run.window_s}
     out["speedup"] = plain.time_s / piped.time_s
+    out["window_steps"] = window_steps
+    out["speedup_windows"] = speedup_spread(plain.window_s, piped.window_s)
     return out
 
 
@@ -190,7 +202,8 @@ def _plan_summary(plan: Any) -> str:
 
 
 class _Later:
-    """A default that depends on ``--quick`` (or the dataset): settled by :func:`_resolve`, shown by --help."""
+    """A default that depends on ``--quick`` (or the dataset), or that ``None`` would show badly: settled by
+    :func:`_resolve`, shown by --help as ``text``."""
 
     def __init__(self, full: Any, quick: Any, text: str | None = None) -> None:
         self.full, self.quick = full, quick
@@ -209,8 +222,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", default="digits", choices=D.DATASETS,
                    help="digits: offline, ships with scikit-learn; synthetic: generated; the others are read from "
                         "--data-root")
-    p.add_argument("--data-root", default=None, help="folder holding cifar-10-batches-py, cifar-100-python or "
-                   "101_ObjectCategories (never downloaded)")
+    p.add_argument("--data-root", default=_Later(None, None, "none; needed by cifar10, cifar100, caltech101"),
+                   help="folder holding cifar-10-batches-py, cifar-100-python or 101_ObjectCategories (never "
+                        "downloaded)")
     p.add_argument("--epochs", type=int, default=_Later(10, QUICK["epochs"]), help="training epochs per model")
     p.add_argument("--batch-size", type=int, default=_Later(128, QUICK["batch_size"]),
                    help="images per training step (both runs)")
@@ -227,13 +241,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--train-images", type=int, default=_Later(None, QUICK["train"]),
                    help="use the first N training images")
     p.add_argument("--test-images", type=int, default=_Later(None, QUICK["test"]), help="use the first N test images")
-    p.add_argument("--window", type=int, default=4, help="steps per alternating timing window")
+    p.add_argument("--window", type=int, default=_Later(4, QUICK["window"]),
+                   help="steps per alternating timing window (each window's speedup is recorded)")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial weights, the shuffle and the augmentation")
     p.add_argument("--quick", action="store_true",
                    help=f"a few minutes on 2 CPU cores: {QUICK['epochs']} epoch on {QUICK['train']} images, batch "
-                        f"{QUICK['batch_size']}")
-    p.add_argument("--trace", default=None, help="write one pipelined step as a Chrome/Perfetto trace (JSON; "
-                   "one file per model, named after it, when there are several)")
+                        f"{QUICK['batch_size']}, windows of {QUICK['window']} steps")
+    p.add_argument("--trace", default=_Later(None, None, "none"), help="write one pipelined step as a "
+                   "Chrome/Perfetto trace (JSON; one file per model, named after it, when there are several)")
     p.add_argument("--out", default="reproduce-out", help="folder for results.json, table.md and the plots")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bars")
     return p
@@ -286,8 +301,10 @@ def reproduce(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.trace:
         os.makedirs(os.path.dirname(os.path.abspath(args.trace)), exist_ok=True)
     settings = {k: v for k, v in vars(args).items() if k != "model_list"}
+    data = {"name": ds.name, "train": len(ds.train_x), "test": len(ds.test_x), "classes": ds.classes,
+            "image_size": ds.image_size}
     results: dict[str, Any] = {"benchmark": "reproduce_paper", "date": time.strftime("%Y-%m-%d"),
-                               "machine": describe(device), "args": settings, "runs": []}
+                               "machine": describe(device), "args": settings, "data": data, "runs": []}
     where = results["machine"].get("gpu") or results["machine"]["cpu"]
     print(f"{PROG}: {ds.name} ({len(ds.train_x)} train / {len(ds.test_x)} test images, {ds.classes} classes, "
           f"{ds.image_size}x{ds.image_size}) on {where}", flush=True)
@@ -305,12 +322,7 @@ def reproduce(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The reproduce-paper console script: exit status 0 on success; a failure is one line on stderr, status 1."""
-
-    def status(a: Sequence[str] | None) -> int:
-        reproduce(a)
-        return 0
-
-    return console.run(status, argv, PROG)
+    return console.run_job(reproduce, argv, PROG)
 
 
 if __name__ == "__main__":

@@ -4,17 +4,26 @@ The same script runs alone or under torchrun; with torchrun every process is a
 rank (gloo on CPU, NCCL on GPUs), feeds its own shard of the data
 (``DistributedSampler`` over the data-parallel replicas), and pipedp averages
 gradients over the replicas. ``--pp 2`` spreads each pipeline over 2 ranks.
-A checkpoint is written atomically every ``--save-every`` steps and
-``--resume`` continues from it.
+A checkpoint (``--ckpt``, by default out/train_dist.pt: out/ is git-ignored)
+is written atomically every ``--save-every`` steps and at the end, and
+``--resume`` continues from it, at its step and place in the data, until the
+engine has taken ``--steps`` steps (a checkpoint already there is a note and
+exit status 0). It may resume on another number of ranks: the model and
+optimizer are whole in the checkpoint; only the per-rank RNG streams cannot
+continue (rank 0 says so once), which this script does not draw from while
+training.
 
-    torchrun --nproc-per-node 2 -m experiments.train_dist --steps 20
-    torchrun --nproc-per-node 4 -m experiments.train_dist --pp 2 --ckpt run.pt --resume
+    torchrun --nproc-per-node 2 -m experiments.train_dist --steps 10
+    torchrun --nproc-per-node 4 -m experiments.train_dist --pp 2 --steps 20 --resume
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
+import re
+import warnings
 from typing import Sequence
 
 import torch
@@ -24,10 +33,14 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import pipedp
 from pipedp import console
-from .demo import pattern_data
 from pipedp.models import resnet18
 
+from .demo import pattern_data
+
 PROG = "python -m experiments.train_dist"
+DEFAULT_CKPT = os.path.join("out", "train_dist.pt")
+# engine.load's warning when the checkpoint was written by another number of ranks (each would warn once).
+_OTHER_WORLD = re.compile(r"RNG states of (\d+) rank")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,9 +51,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stages", default="auto", help="'auto' or a number of pipeline stages")
     p.add_argument("--microbatches", type=int, default=4, help="microbatches per step")
     p.add_argument("--width", type=int, default=16, help="ResNet-18 base width (64 is the real model)")
-    p.add_argument("--ckpt", default="train_dist.pt", help="checkpoint file")
+    p.add_argument("--ckpt", default=DEFAULT_CKPT, help="checkpoint file (its folder is created)")
     p.add_argument("--save-every", type=int, default=10, help="write the checkpoint every N steps")
-    p.add_argument("--resume", action="store_true", help="continue from --ckpt when it exists")
+    p.add_argument("--resume", action="store_true", help="continue from --ckpt when it exists (on any number of "
+                   "ranks)")
     return p
 
 
@@ -73,14 +87,25 @@ def train(argv: Sequence[str] | None = None) -> list[float]:
         sampler = DistributedSampler(TensorDataset(x, y), num_replicas=replicas, rank=replica, seed=0)
         loader = DataLoader(TensorDataset(x, y), batch_size=args.batch, sampler=sampler, drop_last=True,
                             pin_memory=device.type == "cuda")
-        if args.resume and os.path.exists(args.ckpt):
-            engine.load(args.ckpt)
+        if len(loader) == 0:
+            raise ValueError(f"--batch {args.batch} is more than the {len(sampler)} images each of the {replicas} "
+                             f"replica(s) gets: pass --batch {len(sampler)} or less")
         rank0 = not launched or dist.get_rank() == 0
+        os.makedirs(os.path.dirname(args.ckpt) or ".", exist_ok=True)
+        if args.resume:
+            _resume(engine, args.ckpt, rank0)
+        if engine.steps >= args.steps:
+            if rank0:
+                print(f"nothing to do: {args.ckpt} is at step {engine.steps} and --steps is {args.steps}; "
+                      "pass a larger --steps to train on", flush=True)
+            return []
         losses: list[float] = []
-        epoch = 0
+        epoch, done = divmod(engine.steps, len(loader))  # resume where the data left off
         while engine.steps < args.steps:
             sampler.set_epoch(epoch)
-            for xb, yb in pipedp.data.prefetch(loader, device):
+            batches = itertools.islice(loader, done, None)
+            done = 0
+            for xb, yb in pipedp.data.prefetch(batches, device):
                 loss = engine.train_step(xb, yb).item()
                 losses.append(loss)
                 if rank0:
@@ -99,14 +124,35 @@ def train(argv: Sequence[str] | None = None) -> list[float]:
             dist.destroy_process_group()
 
 
+def _resume(engine: pipedp.Engine, path: str, rank0: bool) -> None:
+    """Load ``path`` if it exists; a checkpoint of another number of ranks is said once (rank 0), not per rank."""
+    if not os.path.exists(path):
+        if rank0:
+            print(f"no checkpoint at {path}: starting at step 0", flush=True)
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.load(path)
+    written_by = None
+    for w in caught:
+        match = _OTHER_WORLD.search(str(w.message))
+        if match:
+            written_by = int(match.group(1))
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if not rank0:
+        return
+    print(f"resumed at step {engine.steps} from {path}", flush=True)
+    if written_by is not None:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        print(f"note: {path} was written by {written_by} rank(s), this run has {world}: model, optimizer and step "
+              "carry over; each rank's RNG stream starts afresh (this script draws no random numbers while training)",
+              flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """python -m experiments.train_dist: exit status 0 on success; a failure is one line on stderr, status 1."""
-
-    def status(a: Sequence[str] | None) -> int:
-        train(a)
-        return 0
-
-    return console.run(status, argv, PROG)
+    return console.run_job(train, argv, PROG)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ def wrap(
     measure_steps: int = 3,
     progress: bool = True,
     cuda_graph: bool = False,
+    rollback: bool = True,
     pp: int = 1,
     mesh: DeviceMesh | None = None,
     dp_group: ProcessGroup | None = None,
@@ -52,7 +53,7 @@ def wrap(
     """Cut ``model`` into balanced stages and train it as a microbatch pipeline.
 
     The keywords are those of :class:`~pipedp.PipelineOptions` (microbatches
-    to cuda_graph), :class:`~pipedp.DataParallelOptions` (pp to timeout;
+    to rollback), :class:`~pipedp.DataParallelOptions` (pp to timeout;
     ``distributed`` is its ``enabled``) and :class:`~pipedp.KernelOptions`
     (``kernels``, ``kernel_db``); ``sample`` (a batch or its shape) plans now
     instead of on the first batch. ``optimizer`` is built on
@@ -66,6 +67,7 @@ def wrap(
         pipeline=PipelineOptions(
             microbatches=microbatches, stages=stages, schedule=schedule, devices=devices, batchnorm=batchnorm,
             profile=profile, depth=depth, measure_steps=measure_steps, progress=progress, cuda_graph=cuda_graph,
+            rollback=rollback,
         ),
         data_parallel=DataParallelOptions(
             enabled=distributed, pp=pp, mesh=mesh, dp_group=dp_group, pp_group=pp_group, bucket_mb=bucket_mb,

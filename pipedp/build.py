@@ -5,7 +5,14 @@ estimates them), chooses the cut (one rank decides, every rank follows),
 places the stages on devices and lanes, and makes what a step needs around
 the executor: gradient sync, BatchNorm handling, the buffer snapshot that
 undoes a failed step. It changes nothing but the model's placement (and,
-for ``batchnorm="batch"``, its BatchNorm hooks); the engine keeps the result.
+where statistics are deferred, its BatchNorm hooks); the engine keeps the result.
+
+A module used at several places of the model (a reused activation or
+BatchNorm, tied weights) may end up in several stages. On one rank that is
+exact: gradients of all uses accumulate in the one ``.grad``, and deferred
+statistics put BatchNorm updates in plain order. Pipeline ranks hold their
+own copies of every tensor, so a module whose uses fall on different ranks
+is refused: its copies would drift apart.
 """
 
 from __future__ import annotations
@@ -23,8 +30,8 @@ from .options import PipelineOptions
 from .partition.blocks import Block, Chain, blocks_of, check_chain, module_mode
 from .partition.profile import BlockProfile, estimate_blocks, profile_blocks
 from .pipeline import microbatch
-from .pipeline.batchnorm import DeferredBatchNorm
-from .pipeline.executor import Executor
+from .pipeline.batchnorm import DeferredBatchNorm, batchnorms_in_several
+from .pipeline.executor import Executor, tensors_in
 from .pipeline.gradsync import GradSync
 from .pipeline.graphed import captured_call
 from .pipeline.p2p import Transport
@@ -46,7 +53,7 @@ class Pipeline:
     plan: Plan
     sync: GradSync | None  # gradient averaging over data-parallel replicas
     transport: Transport | None  # messages between pipeline ranks
-    batchnorm: DeferredBatchNorm | None  # batchnorm="batch": one statistics update per step
+    batchnorm: DeferredBatchNorm | None  # "batch", or a BatchNorm used by several stages: deferred updates
     buffers: BufferSnapshot  # to put buffers back after a failed step
 
 
@@ -65,6 +72,38 @@ def sync_devices(devices: Sequence[torch.device]) -> None:
 
 def _surrogate_loss(out: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
     return out.float().mean()
+
+
+class _OneTensor(nn.Module):
+    """A whole model as one block that returns one tensor, so that profiling can time its backward.
+
+    On a single stage the model's output goes straight to ``loss_fn``, so it
+    may be a tuple or a dict; only profiling needs one tensor, and the flat
+    concatenation of the floating-point tensors in it reaches all of them.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.model(x)
+        if isinstance(out, torch.Tensor):
+            return out
+        flat = [t.reshape(-1) for t in tensors_in(out) if t.is_floating_point()]
+        if not flat:
+            raise ValueError(
+                f"{type(self.model).__name__}.forward returns {type(out).__name__} without a floating-point "
+                f"tensor in it: there is nothing for loss_fn to train. Return the model's output tensor(s)"
+            )
+        return torch.cat(flat)
+
+
+def _measurable(blocks: Sequence[Block]) -> list[Block]:
+    """The blocks to profile: a lone block is the whole model, whose output only ``loss_fn`` sees."""
+    if len(blocks) == 1:
+        return [Block(blocks[0].name, _OneTensor(blocks[0].module))]
+    return list(blocks)
 
 
 def _executor(
@@ -123,10 +162,11 @@ def _decide(parts: _Parts, model: nn.Module, sample: torch.Tensor, batch: torch.
         -> tuple[list[BlockProfile], list[int], list[str]]:
     """Profile the blocks and choose the cut (on the deciding rank)."""
     with preserved_state(model, devices), module_mode(model, training=True):
+        blocks = _measurable(parts.blocks)
         if options.profile:
-            profiles = profile_blocks(parts.blocks, sample, progress=options.progress, copy_input=parts.copy_input)
+            profiles = profile_blocks(blocks, sample, progress=options.progress, copy_input=parts.copy_input)
         else:
-            profiles = estimate_blocks(parts.blocks, sample)
+            profiles = estimate_blocks(blocks, sample)
         counts, notes = resolve_counts(
             profiles, options.stages, devices, options.microbatches, options.schedule,
             measure=lambda c: _trial_ms(parts, c, batch, model, devices, options, comm), ranks=comm.pp,
@@ -148,6 +188,8 @@ def build_pipeline(model: nn.Module, batch: torch.Tensor, options: PipelineOptio
         parts = _Parts(blocks, check_chain(model, blocks, sample))
     # Every rank must run the same cut: the first rank decides, the others follow.
     profiles, counts, notes = comm.decide(lambda: _decide(parts, model, sample, batch, devices, options, comm))
+    if comm.pp > 1:
+        _check_shared_within_ranks(model, parts.blocks, counts, comm.pp)
     per_rank = len(counts) // comm.pp
     if len(devices) > 1:
         notes = notes + [f"blocks were profiled on {first}; the other devices are assumed alike"]
@@ -166,6 +208,45 @@ def build_pipeline(model: nn.Module, batch: torch.Tensor, options: PipelineOptio
         plan=plan,
         sync=comm.grad_sync(executor.stages),
         transport=transport,
-        batchnorm=DeferredBatchNorm(model) if options.batchnorm == "batch" else None,
+        batchnorm=_batchnorm(model, executor, options),
         buffers=BufferSnapshot(model),
     )
+
+
+def _batchnorm(model: nn.Module, executor: Executor, options: PipelineOptions) -> DeferredBatchNorm | None:
+    """Deferred statistics: all of them for ``batchnorm="batch"``, else those of BatchNorms used by several stages.
+
+    A BatchNorm whose uses lie in one stage is updated in plain order by the
+    stage itself; uses in several stages would be updated stage by stage.
+    """
+    chains = [st.chain for st in executor.stages]
+    if options.batchnorm == "batch":
+        return DeferredBatchNorm(model, chains)
+    split = batchnorms_in_several(chains)
+    return DeferredBatchNorm(model, chains, per_microbatch=True, only=split) if split else None
+
+
+def _check_shared_within_ranks(model: nn.Module, blocks: Sequence[Block], counts: Sequence[int], ranks: int) -> None:
+    """Refuse a cut that puts uses of one parameter or buffer on different pipeline ranks.
+
+    Each pipeline rank trains its own copy of the model's tensors; a tensor
+    used on two ranks would get two partial gradients and drift apart.
+    """
+    per_rank = len(counts) // ranks
+    users: dict[int, list[tuple[str, int, int]]] = {}  # tensor id -> (block, stage, rank) of each use
+    start = 0
+    for s, k in enumerate(counts):
+        for b in blocks[start : start + k]:
+            for tid in dict.fromkeys(id(t) for t in (*b.module.parameters(), *b.module.buffers())):
+                users.setdefault(tid, []).append((b.name, s, s // per_rank))
+        start += k
+    names = {id(t): n for n, t in (*model.named_parameters(), *model.named_buffers())}
+    for tid, uses in users.items():
+        if len({r for _, _, r in uses}) > 1:
+            where = ", ".join(f"'{b}' (stage {s}, pipeline rank {r})" for b, s, r in uses)
+            raise ValueError(
+                f"'{names.get(tid, '?')}' is used by blocks {where}: pipeline ranks keep their own copies of "
+                f"the model's tensors, so those copies would get partial gradients or statistics and drift "
+                f"apart. To proceed, pass stages=[block counts] that keep all its uses on one pipeline rank, "
+                f"or use pp=1 (data parallel only)"
+            )

@@ -11,24 +11,33 @@ at the same point.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
-from typing import Any, Callable, Protocol, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Protocol, Sequence, TypeVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from .distributed import Layout, check_backend, missing_note, resolve_layout
-from .options import DataParallelOptions
+from .distributed import DistributedError, Layout, barrier, check_backend, missing_note, resolve_layout
+from .options import DataParallelOptions, PipelineOptions
 from .pipeline.gradsync import GradSync
 from .pipeline.p2p import Transport
 from .pipeline.stage import Stage
-from .state import broadcast_decision, gather_rng, merge_pipeline_state, share_loss
+from .state import (
+    broadcast_decision, check_same_model, gather_rng, merge_pipeline_state, model_signature, share_loss,
+)
 
 __all__ = ["Communicator", "Local", "Distributed", "communicator"]
 
 T = TypeVar("T")
 StateDicts = tuple[dict[str, Any], "dict[str, Any] | None"]
+
+# Collectives outside a step, counted alike on every rank (all call them in the same order): the
+# survivors of a failed one check in under the same key. One count per process, so that engines
+# made one after another never share a key.
+_CALLS = itertools.count()
+CHECKPOINT = "saving a checkpoint (engine.save/state_dict)"
 
 
 class Communicator(Protocol):
@@ -45,6 +54,14 @@ class Communicator(Protocol):
 
     def check(self, devices: Sequence[torch.device], cuda_graph: bool) -> None:
         """Refuse devices or options this world cannot run."""
+
+    def check_same_model(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                         options: PipelineOptions) -> None:
+        """Refuse (ValueError on every rank) ranks whose model, optimizer or options differ.
+
+        Runs before any collective that sends model tensors, which would abort
+        the job (or train apart silently) on a mismatch.
+        """
 
     def decide(self, fn: Callable[[], T]) -> T:
         """``fn()`` computed once and the same answer on every rank (its exception re-raised on all)."""
@@ -74,7 +91,8 @@ class Communicator(Protocol):
     def writes_files(self) -> bool:
         """Whether this rank writes shared files (checkpoints)."""
 
-    def barrier(self) -> None: ...
+    def barrier(self) -> None:
+        """Wait for every rank (after rank 0 wrote a checkpoint)."""
 
     def own_path(self, path: str) -> str:
         """A per-rank file name for files every rank writes (traces)."""
@@ -97,6 +115,10 @@ class Local:
         return ""
 
     def check(self, devices: Sequence[torch.device], cuda_graph: bool) -> None:
+        return None
+
+    def check_same_model(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                         options: PipelineOptions) -> None:
         return None
 
     def decide(self, fn: Callable[[], T]) -> T:
@@ -154,6 +176,32 @@ class Distributed:
                 "(collectives and transfers are issued eagerly)"
             )
 
+    @contextlib.contextmanager
+    def _collective(self, what: str) -> Iterator[None]:
+        """A collective of every rank; its failure names this rank, ``what`` and the ranks gone."""
+        event = f"call-{next(_CALLS)}"
+        try:
+            yield
+        except DistributedError as e:
+            raise DistributedError(
+                f"{what} failed on rank {self.rank} of {self.world}: a peer died, hung past the "
+                f"{self.layout.timeout.total_seconds():g} s timeout, or did not make the same call. Check the "
+                f"other ranks' logs, then restart from the last checkpoint."
+                f"{missing_note(event, self.world, what)} Cause: {e}"
+            ) from e.__cause__
+
+    def _settings(self, options: PipelineOptions) -> dict[str, Any]:
+        """The options every rank must share: they shape the cut, the messages and the gradient buckets."""
+        keys = ("microbatches", "stages", "schedule", "batchnorm", "depth")
+        return {"dp": self.layout.dp, "pp": self.pp, "bucket_bytes": self.options.bucket_bytes,
+                "reduce_dtype": self.options.reduce_dtype, **{k: getattr(options, k) for k in keys}}
+
+    def check_same_model(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                         options: PipelineOptions) -> None:
+        signature = model_signature(model, optimizer, self._settings(options))
+        with self._collective("comparing the model across ranks in wrap()"):
+            check_same_model(signature, self.layout)
+
     def decide(self, fn: Callable[[], T]) -> T:
         lay = self.layout
         answer: Any = None
@@ -162,7 +210,8 @@ class Distributed:
                 answer = fn()
             except Exception as e:
                 answer = e  # the other ranks must not wait for an answer forever
-        answer = broadcast_decision(answer, lay)
+        with self._collective("sharing the first rank's plan (the cut)"):
+            answer = broadcast_decision(answer, lay)
         if isinstance(answer, Exception):
             raise answer
         return answer
@@ -190,18 +239,21 @@ class Distributed:
 
     def model_state(self, model: nn.Module, stages: Sequence[Stage] | None,
                     optimizer: torch.optim.Optimizer | None) -> StateDicts:
-        if self.pp == 1 or stages is None:
-            return _local_state(model, optimizer)
-        return merge_pipeline_state(model, stages, optimizer, self.layout)
+        with self._collective(f"{CHECKPOINT}: merging the pipeline ranks' model and optimizer state"):
+            if self.pp == 1 or stages is None:
+                return _local_state(model, optimizer)
+            return merge_pipeline_state(model, stages, optimizer, self.layout)
 
     def rng_states(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
-        return gather_rng(mine)
+        with self._collective(f"{CHECKPOINT}: gathering every rank's RNG state"):
+            return gather_rng(mine, self.layout)
 
     def writes_files(self) -> bool:
         return self.rank == 0
 
     def barrier(self) -> None:
-        dist.barrier()
+        with self._collective(f"{CHECKPOINT}: waiting for every rank after rank 0 wrote the file"):
+            barrier(self.layout.everyone, self.layout.timeout)
 
     def own_path(self, path: str) -> str:
         if self.world == 1:

@@ -16,7 +16,7 @@ import sys
 from types import ModuleType
 from typing import Callable, NoReturn, Sequence
 
-__all__ = ["HelpFormatter", "make_parser", "run", "require", "MissingExtra"]
+__all__ = ["HelpFormatter", "make_parser", "run", "run_job", "require", "MissingExtra"]
 
 
 class MissingExtra(ImportError):
@@ -74,3 +74,16 @@ def run(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None,
     if not isinstance(status, int) or isinstance(status, bool):
         raise TypeError(f"{prog}: main returned {type(status).__name__}, not an exit status")
     return status
+
+
+def run_job(job: Callable[[Sequence[str] | None], object], argv: Sequence[str] | None, prog: str) -> int:
+    """:func:`run` for a ``job(argv)`` that returns its results, not an exit status: 0 once it returns.
+
+    The results are for callers in Python; a console script must not hand them to ``sys.exit``.
+    """
+
+    def status(a: Sequence[str] | None) -> int:
+        job(a)
+        return 0
+
+    return run(status, argv, prog)

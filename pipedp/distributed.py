@@ -11,16 +11,20 @@ neighbours (on one host, when pp divides the GPUs per host).
 from __future__ import annotations
 
 import datetime
+import pickle
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from .checks import positive_int, positive_number
 
-__all__ = ["Layout", "resolve_layout", "check_backend", "missing_ranks", "missing_note", "DistributedError", "DEFAULT_TIMEOUT_S"]
+__all__ = [
+    "Layout", "resolve_layout", "check_backend", "missing_ranks", "missing_note", "DistributedError",
+    "DEFAULT_TIMEOUT_S", "timed", "gather_objects", "broadcast_object", "barrier",
+]
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -31,7 +35,12 @@ class DistributedError(RuntimeError):
 
 @dataclass(frozen=True)
 class Layout:
-    """This rank's place: its data-parallel replica group and its pipeline group."""
+    """This rank's place: its data-parallel replica group and its pipeline group.
+
+    ``world_group`` holds every rank with ``timeout`` (the default group has the
+    process group's own): a collective of all ranks that a dead peer leaves
+    behind ends with our timeout, not minutes later at exit.
+    """
 
     dp: int
     pp: int
@@ -40,6 +49,12 @@ class Layout:
     dp_group: Any
     pp_group: Any
     timeout: datetime.timedelta
+    world_group: Any = None
+
+    @property
+    def everyone(self) -> Any:
+        """The group of all ranks (ours, made with ``timeout``, when there is one)."""
+        return self.world_group if self.world_group is not None else dist.group.WORLD
 
     @property
     def rank(self) -> int:
@@ -67,7 +82,8 @@ def _from_groups(dp_group: Any, pp_group: Any, timeout: datetime.timedelta) -> L
     pp_rank = dist.get_rank(pp_group) if pp_group is not None else 0
     if dp_rank < 0 or pp_rank < 0:
         raise ValueError("this rank is not a member of the dp_group/pp_group passed to wrap(): pass its own groups")
-    return Layout(dp, pp, dp_rank, pp_rank, dp_group, pp_group if pp > 1 else None, timeout)
+    world = dist.new_group(timeout=timeout)
+    return Layout(dp, pp, dp_rank, pp_rank, dp_group, pp_group if pp > 1 else None, timeout, world)
 
 
 def resolve_layout(
@@ -112,13 +128,14 @@ def resolve_layout(
     if world % pp:
         raise ValueError(f"pp={pp} does not divide the world size {world}: use a divisor of {world}")
     dp = world // pp
+    everyone = dist.new_group(timeout=td)
     if pp == 1:
-        return Layout(dp, 1, rank, 0, dist.new_group(timeout=td), None, td)
+        return Layout(dp, 1, rank, 0, everyone, None, td, everyone)
     dp_groups = [[d * pp + p for d in range(dp)] for p in range(pp)]
     pp_groups = [[d * pp + p for p in range(pp)] for d in range(dp)]
     dp_g, _ = dist.new_subgroups_by_enumeration(dp_groups, timeout=td)
     pp_g, _ = dist.new_subgroups_by_enumeration(pp_groups, timeout=td)
-    return Layout(dp, pp, rank // pp, rank % pp, dp_g, pp_g, td)
+    return Layout(dp, pp, rank // pp, rank % pp, dp_g, pp_g, td, everyone)
 
 
 def check_backend(devices: list[torch.device], pp: int) -> None:
@@ -136,15 +153,17 @@ def check_backend(devices: list[torch.device], pp: int) -> None:
         )
 
 
-def missing_ranks(step: int, world: int, wait_s: float = 3.0) -> list[int] | None:
+def missing_ranks(event: int | str, world: int, wait_s: float = 3.0) -> list[int] | None:
     """Ranks that do not check in on the rendezvous store within ``wait_s`` after a failure.
 
-    Survivors of a failed collective each write a key; a rank that died or
-    hangs never does. None if the store cannot be reached (its host is gone).
+    ``event`` names the failed work the same way on every rank (a step number,
+    or a label of a collective every rank counts alike). Survivors each write a
+    key; a rank that died or hangs never does. None if the store cannot be
+    reached (its host is gone).
     """
     try:
         store = dist.distributed_c10d._get_default_store()
-        prefix = f"pipedp/failed-step/{step}/"
+        prefix = f"pipedp/failed/{event}/"
         store.set(prefix + str(dist.get_rank()), "1")
         deadline = time.monotonic() + wait_s
         while True:
@@ -156,11 +175,81 @@ def missing_ranks(step: int, world: int, wait_s: float = 3.0) -> list[int] | Non
         return None
 
 
-def missing_note(step: int, world: int) -> str:
-    """A sentence for an error: which ranks did not check in after a failure at ``step``."""
-    gone = missing_ranks(step, world)
+def missing_note(event: int | str, world: int, during: str | None = None) -> str:
+    """A sentence for an error: which ranks did not check in after a failure at step ``event``.
+
+    ``during`` says what was being done instead of "at step ``event``" (then
+    ``event`` is only the key the ranks agree on).
+    """
+    gone = missing_ranks(event, world)
     if gone is None:
         return " (could not reach the rendezvous store to find which rank is gone)"
     if not gone:
         return ""
-    return f" Ranks that did not report at step {step}: {gone} (dead or hung)."
+    when = f"at step {event}" if during is None else f"while {during}"
+    return f" Ranks that did not report {when}: {gone} (dead or hung)."
+
+
+# -- collectives that honour our timeout -----------------------------------------------------------
+# A blocking collective (and every object collective) waits as long as its group's own timeout,
+# the process group's for the default group. These issue the collective asynchronously and wait
+# with ``work.wait(timeout)``, which bounds the wait whatever the group; a failure or time-out is a
+# DistributedError (the caller adds what was being done and who is gone).
+
+
+def timed(issue: Callable[[], Any], timeout: datetime.timedelta) -> None:
+    """Issue one asynchronous collective (``issue()`` returns its work) and wait for it at most ``timeout``."""
+    try:
+        issue().wait(timeout)
+    except RuntimeError as e:
+        raise DistributedError(f"a collective failed or ran past {timeout.total_seconds():g} s: {e}") from e
+
+
+def _wire(group: Any) -> torch.device:
+    """Where a group's messages live: NCCL moves CUDA tensors only."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _encode(obj: Any, device: torch.device) -> torch.Tensor:
+    # Ranks of one job trust each other's messages, as torch's own object collectives do.
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+
+
+def _decode(t: torch.Tensor, size: int) -> Any:
+    return pickle.loads(t[:size].cpu().numpy().tobytes())
+
+
+def gather_objects(obj: Any, group: Any, timeout: datetime.timedelta) -> list[Any]:
+    """Every member's ``obj`` (picklable), by group rank, on every member of ``group``."""
+    dev = _wire(group)
+    n = dist.get_world_size(group)
+    mine = _encode(obj, dev)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(n)]
+    size = torch.tensor([mine.numel()], dtype=torch.int64, device=dev)
+    timed(lambda: dist.all_gather(sizes, size, group=group, async_op=True), timeout)
+    lengths = [int(s.item()) for s in sizes]
+    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=dev)
+    padded[: mine.numel()] = mine
+    parts = [torch.empty_like(padded) for _ in range(n)]
+    timed(lambda: dist.all_gather(parts, padded, group=group, async_op=True), timeout)
+    return [_decode(p, k) for p, k in zip(parts, lengths)]
+
+
+def broadcast_object(obj: Any, src: int, group: Any, timeout: datetime.timedelta) -> Any:
+    """Global rank ``src``'s ``obj`` on every member of ``group`` (the others pass anything)."""
+    dev = _wire(group)
+    sender = dist.get_rank() == src
+    payload = _encode(obj, dev) if sender else None
+    size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64, device=dev)
+    timed(lambda: dist.broadcast(size, src=src, group=group, async_op=True), timeout)
+    buf = payload if payload is not None else torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
+    timed(lambda: dist.broadcast(buf, src=src, group=group, async_op=True), timeout)
+    return obj if sender else _decode(buf, buf.numel())
+
+
+def barrier(group: Any, timeout: datetime.timedelta) -> None:
+    """Wait until every member of ``group`` got here (at most ``timeout``)."""
+    token = torch.zeros(1, device=_wire(group))
+    timed(lambda: dist.all_reduce(token, group=group, async_op=True), timeout)

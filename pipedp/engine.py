@@ -31,12 +31,21 @@ from .pipeline.executor import Executor, StepTimer
 from .pipeline.gradsync import SyncStats
 from .pipeline.trace import Clock
 from .plan import Plan
+from .restore import check_checkpoint, undo_on_failure
 from .snapshot import rng_state, set_rng_state
 from .step import LossFn, StepRunner
 
 __all__ = ["Engine"]
 
 CHECKPOINT_FORMAT = 2
+
+
+def _sample_batch(model: nn.Module, sample: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    """``sample`` itself, or a random batch of that shape in the model's dtype."""
+    if isinstance(sample, torch.Tensor):
+        return sample
+    p = next(model.parameters(), None)
+    return torch.randn(tuple(int(v) for v in sample), dtype=p.dtype if p is not None else torch.float32)
 
 
 class Engine:
@@ -74,23 +83,26 @@ class Engine:
         self.optimizer = check_optimizer(model, optimizer)
         self.comm = communicator(data_parallel if data_parallel is not None else DataParallelOptions())
         self.comm.check(self.devices, opts.cuda_graph)
+        self.comm.check_same_model(model, self.optimizer, opts)
         if opts.cuda_graph and (len(self.devices) != 1 or self.devices[0].type != "cuda"):
             raise ValueError(
                 f"cuda_graph=True needs all stages on one CUDA device, got devices "
                 f"{[str(d) for d in self.devices]}: pass devices='cuda' or cuda_graph=False"
             )
-        self.kernel_layers = swap_depthwise(model, kopts.mode, kopts.db, self.devices[0])
         self.steps = 0
         self._pipe: Pipeline | None = None
         self._runner: StepRunner | None = None
         self._plan: Plan | None = None
         self._timers: list[StepTimer] = []
         self._trace_path: str | None = None
+        swap = swap_depthwise(model, kopts.mode, kopts.db, self.devices[0])
+        self.kernel_layers = swap.count
         if sample is not None:
-            if not isinstance(sample, torch.Tensor):
-                p = next(model.parameters(), None)
-                sample = torch.randn(tuple(int(v) for v in sample), dtype=p.dtype if p is not None else torch.float32)
-            self._build(sample)
+            try:  # a wrap that fails leaves the user's model as it was: its depthwise layers too
+                self._build(_sample_batch(model, sample))
+            except BaseException:
+                swap.undo()
+                raise
 
     @property
     def microbatches(self) -> int:
@@ -121,8 +133,7 @@ class Engine:
             raise RuntimeError("train_step needs wrap(..., optimizer=..., loss_fn=...)")
         if self._runner is None:
             pipe = self._pipe if self._pipe is not None else self._build(x)
-            self._runner = StepRunner(self.module, pipe, self.optimizer, self.loss_fn, self.comm,
-                                      self.microbatches, self.options.cuda_graph)
+            self._runner = StepRunner(self.module, pipe, self.optimizer, self.loss_fn, self.comm, self.options)
         return self._runner
 
     # -- public API -----------------------------------------------------------------------------
@@ -238,33 +249,30 @@ class Engine:
                                                                "rng": rng}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`: model, optimizer, step and this rank's RNG states."""
-        if not isinstance(state, dict) or not {"model", "optimizer", "engine"} <= set(state):
-            raise ValueError(
-                "not an engine checkpoint (needs keys 'model', 'optimizer', 'engine'); "
-                "to load plain model weights use engine.module.load_state_dict(...)"
-            )
-        self.module.load_state_dict(state["model"])
+        """Restore a :meth:`state_dict`: model, optimizer, step and this rank's RNG states.
+
+        Whole or nothing: the checkpoint is checked against this engine's model
+        and optimizer first, and a failure while applying it puts all back.
+        """
+        entry = check_checkpoint(state, self.module, self.optimizer, CHECKPOINT_FORMAT)
         if self._runner is not None and self._runner.graph is not None:
             # The optimizer gets new state tensors; a captured step would update the old ones.
             self._runner.graph.reset()
             self.module.zero_grad(set_to_none=True)
-        if state["optimizer"] is not None:
-            if self.optimizer is None:
-                raise ValueError("the checkpoint has optimizer state but this engine has no optimizer")
-            self.optimizer.load_state_dict(state["optimizer"])
-        self.steps = int(state["engine"].get("steps", 0))
-        rng = state["engine"].get("rng")
-        if rng:
-            rank, world = self.comm.rank, self.comm.world
-            if len(rng) == world:
-                set_rng_state(rng[rank])
-            else:
-                warnings.warn(
-                    f"the checkpoint holds RNG states of {len(rng)} rank(s), this run has {world}: RNG states "
-                    f"are not restored, so random augmentation/dropout will not continue the saved streams",
-                    stacklevel=2,
-                )
+        rank, world = self.comm.rank, self.comm.world
+        with undo_on_failure(self.module, self.optimizer):
+            self.module.load_state_dict(state["model"])
+            if state["optimizer"] is not None and self.optimizer is not None:
+                self.optimizer.load_state_dict(state["optimizer"])
+            if entry.rng is not None and len(entry.rng) == world:
+                set_rng_state(entry.rng[rank])
+        self.steps = entry.steps
+        if entry.rng is not None and len(entry.rng) != world:
+            warnings.warn(
+                f"the checkpoint holds RNG states of {len(entry.rng)} rank(s), this run has {world}: RNG states "
+                f"are not restored, so random augmentation/dropout will not continue the saved streams",
+                stacklevel=2,
+            )
 
     def save(self, path: str | os.PathLike) -> None:
         """Write :meth:`state_dict` to ``path`` atomically (global rank 0 writes; collective when distributed).

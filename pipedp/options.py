@@ -63,7 +63,11 @@ class PipelineOptions:
     nested ``nn.Sequential`` to cut into. ``measure_steps``: training steps
     timed per stage for ``engine.plan``. ``cuda_graph``: on one CUDA device,
     capture the whole step after two eager steps and replay it (optimizers
-    with step counters need ``capturable=True``).
+    with step counters need ``capturable=True``). ``rollback``: copy
+    parameters and optimizer state before each eager ``optimizer.step()``
+    so that a step failing inside it is undone (the memory of one more copy
+    of them; False saves it, and such a failure then leaves what the
+    optimizer had done).
     """
 
     microbatches: int = 4
@@ -76,6 +80,7 @@ class PipelineOptions:
     measure_steps: int = 3
     progress: bool = True
     cuda_graph: bool = False
+    rollback: bool = True
 
     def __post_init__(self) -> None:
         positive_int("microbatches", self.microbatches)
@@ -84,7 +89,7 @@ class PipelineOptions:
         one_of("batchnorm", self.batchnorm, BATCHNORM_MODES)
         positive_int("depth", self.depth)
         non_negative_int("measure_steps", self.measure_steps)
-        for name in ("profile", "progress", "cuda_graph"):
+        for name in ("profile", "progress", "cuda_graph", "rollback"):
             _flag(name, getattr(self, name))
 
 
@@ -97,8 +102,9 @@ class DataParallelOptions:
     ``("dp",)``, or explicit ``dp_group``/``pp_group``. ``bucket_mb``: gradient
     all-reduce bucket size (DDP's ``bucket_cap_mb``). ``reduce_dtype``:
     ``torch.bfloat16``/``torch.float16`` all-reduce gradients in half the bytes.
-    ``timeout``: seconds a collective or transfer may take before the step fails
-    with :class:`pipedp.DistributedError`. ``enabled=False`` trains this process
+    ``timeout``: seconds a collective or transfer may take before the step,
+    ``wrap()`` or ``save()``/``state_dict()`` fails with
+    :class:`pipedp.DistributedError`. ``enabled=False`` trains this process
     on its own even when a process group exists.
     """
 

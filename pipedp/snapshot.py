@@ -1,7 +1,10 @@
 """Saving and putting back what a step or a measurement may change: buffers, gradients, RNG streams.
 
-Three users share these: a failed training step puts BatchNorm statistics
-back (:class:`BufferSnapshot`, reused every step without new allocations),
+Four users share these: a failed training step puts BatchNorm statistics
+back (:class:`BufferSnapshot`, reused every step without new allocations)
+and, when the optimizer itself fails, parameters and optimizer state
+(:class:`UpdateSnapshot`: an optimizer may update some parameters and then
+raise, or create its state and then raise),
 profiling and trial steps leave the model and the random streams as they
 found them (:func:`preserved_state`), and checkpoints carry every RNG stream
 (:func:`rng_state`) as tensors and plain values, so they pass
@@ -11,6 +14,7 @@ found them (:func:`preserved_state`), and checkpoints carry every RNG stream
 from __future__ import annotations
 
 import contextlib
+import copy
 import random
 import warnings
 from typing import Any, Iterator, Sequence
@@ -19,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["BufferSnapshot", "preserved_state", "rng_state", "set_rng_state"]
+__all__ = ["BufferSnapshot", "UpdateSnapshot", "preserved_state", "rng_state", "set_rng_state"]
 
 
 class BufferSnapshot:
@@ -46,6 +50,85 @@ class BufferSnapshot:
         with torch.no_grad():
             for dst, src in zip(self.groups, self.saved):
                 torch._foreach_copy_(dst, src)
+
+
+class _Copies:
+    """Reusable copies of a changing set of tensors, copied in one foreach call per device and dtype."""
+
+    def __init__(self) -> None:
+        self.saved: dict[tuple[int, str], torch.Tensor] = {}
+
+    def save(self, tensors: dict[tuple[int, str], torch.Tensor]) -> None:
+        for key in [k for k in self.saved if k not in tensors]:
+            del self.saved[key]
+        pairs: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for key, t in tensors.items():
+            dst = self.saved.get(key)
+            if dst is None or dst.shape != t.shape or dst.dtype != t.dtype or dst.device != t.device:
+                self.saved[key] = dst = torch.empty_like(t, memory_format=torch.preserve_format)
+            dsts, srcs = pairs.setdefault((t.device, t.dtype), ([], []))
+            dsts.append(dst)
+            srcs.append(t)
+        for dsts, srcs in pairs.values():
+            torch._foreach_copy_(dsts, srcs)
+
+
+class UpdateSnapshot:
+    """Parameters, optimizer state and hyperparameters as they were before ``optimizer.step()``.
+
+    :meth:`save` copies them into buffers kept from step to step (the memory
+    of one more copy of parameters and optimizer state); :meth:`restore`
+    puts every value back, drops state the failed step created and keys it
+    added, so a step that raised inside the optimizer leaves nothing changed.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.params: list[torch.Tensor] = []
+        self.tensors = _Copies()
+        self.state: list[dict[str, Any] | None] = []  # per parameter: its non-tensor state, None if it had none
+        self.groups: list[dict[str, Any]] = []
+
+    def save(self) -> None:
+        live: dict[tuple[int, str], torch.Tensor] = {}
+        self.params = [p for g in self.optimizer.param_groups for p in g["params"]]  # groups may have been added
+        self.state = []
+        for i, p in enumerate(self.params):
+            live[i, ""] = p.detach()
+            st = self.optimizer.state.get(p)
+            if st is None:
+                self.state.append(None)
+                continue
+            self.state.append({k: copy.deepcopy(v) for k, v in st.items() if not isinstance(v, torch.Tensor)})
+            live.update(((i, k), v.detach()) for k, v in st.items() if isinstance(v, torch.Tensor))
+        self.groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
+                       for g in self.optimizer.param_groups]
+        with torch.no_grad():
+            self.tensors.save(live)
+
+    def restore(self) -> None:
+        saved = self.tensors.saved
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                p.copy_(saved[i, ""])
+                plain = self.state[i]
+                if plain is None:
+                    self.optimizer.state.pop(p, None)
+                    continue
+                st = self.optimizer.state[p]
+                tensors = {k: t for (j, k), t in saved.items() if j == i and k}
+                for k in [k for k in st if k not in plain and k not in tensors]:
+                    del st[k]
+                st.update(copy.deepcopy(plain))
+                for k, t in tensors.items():
+                    cur = st.get(k)
+                    if isinstance(cur, torch.Tensor) and cur.shape == t.shape and cur.dtype == t.dtype \
+                            and cur.device == t.device:
+                        cur.copy_(t)
+                    else:
+                        st[k] = t.clone()
+        for g, kept in zip(self.optimizer.param_groups, self.groups):
+            g.update(copy.deepcopy(kept))
 
 
 def _cuda_indices(devices: Sequence[torch.device | str]) -> list[int]:

@@ -2,9 +2,11 @@
 
 A step equals plain PyTorch running the same microbatches with gradient
 accumulation (each microbatch's mean loss weighted by its share of the
-batch) followed by the same optimizer step. If anything fails before the
-optimizer runs, buffers are put back and gradients cleared, so parameters,
-optimizer state and BatchNorm statistics are as before the step. With a
+batch) followed by the same optimizer step. If anything fails, buffers are
+put back and gradients cleared, so parameters, optimizer state and BatchNorm
+statistics are as before the step; a failure inside ``optimizer.step()``
+itself (which may have updated some parameters, or created state, before
+it raised) is undone from a copy taken just before it (``rollback``). With a
 CUDA graph the whole step is captured after two eager steps of the same
 signature and replayed; a traced step always runs eagerly (a graph would
 hide its inside).
@@ -20,11 +22,13 @@ from torch import nn
 from .build import Pipeline
 from .comm import Communicator
 from .distributed import DistributedError
+from .options import PipelineOptions
 from .pipeline import microbatch
 from .pipeline.executor import StepTimer
 from .pipeline.graphed import StepGraph, hyper_signature
 from .pipeline.stream import current_lane
 from .pipeline.trace import step_spans, write_trace
+from .snapshot import UpdateSnapshot
 
 __all__ = ["StepRunner", "LossFn"]
 
@@ -35,10 +39,11 @@ class StepRunner:
     """Runs training steps of ``pipe`` for ``model`` with ``optimizer`` and ``loss_fn``."""
 
     def __init__(self, model: nn.Module, pipe: Pipeline, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
-                 comm: Communicator, microbatches: int, cuda_graph: bool) -> None:
+                 comm: Communicator, options: PipelineOptions) -> None:
         self.model, self.pipe, self.optimizer, self.loss_fn = model, pipe, optimizer, loss_fn
-        self.comm, self.microbatches = comm, microbatches
-        self.graph = StepGraph(self.graph_body) if cuda_graph else None
+        self.comm, self.microbatches = comm, options.microbatches
+        self.graph = StepGraph(self.graph_body) if options.cuda_graph else None
+        self.before_update = UpdateSnapshot(optimizer) if options.rollback else None
         self.updates: list[tuple] = []  # the last traced step's optimizer marks
         self.replayed = False  # whether the last step was a graph replay (no per-stage timings)
 
@@ -60,6 +65,8 @@ class StepRunner:
             if part is not None:
                 part.step = index
         try:
+            if self.pipe.sync is not None:  # weighs this replica by its share of the global batch
+                self.pipe.sync.begin(x.shape[0])
             loss = self._forward_backward(x, y, timer)
             if self.pipe.sync is not None:
                 self.pipe.sync.wait()
@@ -73,7 +80,15 @@ class StepRunner:
         clock = timer.clock if timer is not None else None
         devices = self.pipe.executor.devices
         marks = [(d, clock.mark(current_lane(d))) for d in devices] if clock is not None else []
-        self._update()
+        if self.before_update is not None:
+            self.before_update.save()
+        try:
+            self._update()
+        except BaseException:
+            if self.before_update is not None:
+                self.before_update.restore()
+            self.recover()
+            raise
         if clock is not None:
             assert timer is not None
             self.updates = [(d, m, clock.mark(current_lane(d))) for d, m in marks]
@@ -118,7 +133,7 @@ class StepRunner:
         self.model.zero_grad(set_to_none=self.graph is None or not self.graph.captured)
 
     def recover(self) -> None:
-        """Undo a step that failed before the optimizer ran."""
+        """Undo what a failed step did besides the optimizer's update: buffers, gradients, pending transfers."""
         self.pipe.executor._join()
         if self.pipe.transport is not None:
             self.pipe.transport.reset()

@@ -37,8 +37,42 @@ def test_a_step_runner_over_a_built_pipeline_equals_plain_training():
     opts = PipelineOptions(microbatches=2, stages=2, profile=False)
     pipe = build_pipeline(model, batches[0][0], opts, CPU, Local())
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    runner = StepRunner(model, pipe, opt, nn.CrossEntropyLoss(), Local(), opts.microbatches, cuda_graph=False)
+    runner = StepRunner(model, pipe, opt, nn.CrossEntropyLoss(), Local(), opts)
     for i, (x, y) in enumerate(batches):
         runner.step(x, y, i)
     plain_steps(ref, batches, microbatches=2)
     assert max_diff(model, ref) <= 1e-5
+
+
+def _bn_used_twice() -> nn.Sequential:
+    bn = nn.BatchNorm2d(4)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), bn, nn.Conv2d(4, 4, 3, padding=1), bn,
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
+
+
+def test_a_batchnorm_used_by_two_stages_gets_deferred_updates_and_one_within_a_stage_does_not():
+    def pipe(stages):
+        return build_pipeline(_bn_used_twice(), torch.randn(4, 3, 8, 8),
+                              PipelineOptions(microbatches=2, stages=stages, profile=False), CPU, Local())
+
+    split = pipe([2, 5])
+    assert split.batchnorm is not None and len(split.batchnorm) == 1 and split.batchnorm.per_microbatch
+    assert pipe([4, 3]).batchnorm is None  # both uses in stage 0: the stage updates them in plain order
+
+
+class _Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 3), nn.Linear(4, 3)
+
+    def forward(self, x):
+        return {"main": self.a(x), "aux": (self.b(x),)}
+
+
+def test_one_stage_plans_a_model_whose_output_is_not_a_tensor():
+    model = _Pair()
+    pipe = build_pipeline(model, torch.randn(6, 4), PipelineOptions(microbatches=2, stages=1, progress=False),
+                          CPU, Local())
+    assert pipe.plan.counts == [1] and pipe.plan.stages[0].predicted_ms > 0
+    assert pipe.executor.stages[0].chain.parts[0] is model  # profiled through a wrapper, run as it is
+    assert all(p.grad is None for p in model.parameters())

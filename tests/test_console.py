@@ -3,7 +3,7 @@
 import pytest
 
 from pipedp import __version__
-from pipedp.console import MissingExtra, make_parser, require, run
+from pipedp.console import MissingExtra, make_parser, require, run, run_job
 
 
 def _parser():
@@ -43,6 +43,17 @@ def test_run_maps_expected_failures_to_one_line(capsys, monkeypatch):
     monkeypatch.setenv("PIPEDP_DEBUG", "1")
     with pytest.raises(ValueError):
         run(bad, [], "tool")
+
+
+def test_run_job_returns_0_for_a_job_that_returns_data(capsys, monkeypatch):
+    monkeypatch.delenv("PIPEDP_DEBUG", raising=False)
+    seen = []
+    assert run_job(lambda argv: seen.append(argv) or {"results": 1}, ["--x"], "tool") == 0 and seen == [["--x"]]
+
+    def bad(argv):
+        raise OSError("out/ is not writable")
+
+    assert run_job(bad, [], "tool") == 1 and "tool: error: out/ is not writable" in capsys.readouterr().err
 
 
 def test_require_names_the_extra():

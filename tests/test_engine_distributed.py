@@ -200,6 +200,34 @@ def test_a_dead_or_hung_rank_fails_the_others_in_bounded_time(tmp_path, mode):
     assert res["ckpt"]["engine"]["steps"] == 1  # the last checkpoint is intact
 
 
+def _hang_in_wrap(rank: int, world: int, phase: str) -> dict:
+    import pipedp.build
+    import pipedp.comm
+
+    def hang(*_args):
+        time.sleep(600)  # the test kills this rank
+
+    if phase == "comparing the model" and rank == 1:
+        pipedp.comm.model_signature = hang
+    if phase == "sharing the first rank's plan" and rank == 0:
+        pipedp.build._decide = hang
+    torch.manual_seed(0)
+    try:
+        _engine(sequential_cnn(), stages=2, microbatches=2, timeout=3, sample=(4, 3, 16, 16))
+    except Exception as e:  # noqa: BLE001 (the test checks the type)
+        return {"error": type(e).__name__, "message": str(e)}
+    return {"error": None}
+
+
+@pytest.mark.parametrize("phase, hung", [("comparing the model", 1), ("sharing the first rank's plan", 0)])
+def test_a_hung_rank_fails_wrap_within_the_timeout(phase, hung):
+    results = multiproc.run(_hang_in_wrap, 2, phase, expect_dead={hung}, timeout_s=60)
+    res = results[1 - hung]
+    assert res["error"] == "DistributedError", res
+    msg = res["message"]
+    assert msg.startswith(phase) and f"on rank {1 - hung} of 2" in msg and f": [{hung}] (dead or hung)" in msg, msg
+
+
 def _layout_errors(rank: int, world: int) -> list[str]:
     msgs = []
     for kw in ({"pp": 3}, {"pp": 2, "stages": 3}, {"pp": 2, "dp_group": dist.group.WORLD}):

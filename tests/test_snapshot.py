@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from pipedp import checkpoint
-from pipedp.snapshot import BufferSnapshot, preserved_state, rng_state, set_rng_state
+from pipedp.snapshot import BufferSnapshot, UpdateSnapshot, preserved_state, rng_state, set_rng_state
 
 
 def _bn_model():
@@ -54,3 +54,29 @@ def test_rng_round_trip_through_a_data_only_file(tmp_path):
     set_rng_state(checkpoint.load(tmp_path / "r.pt")["rng"])
     again = (torch.rand(3), random.random(), np.random.rand(3))
     assert torch.equal(first[0], again[0]) and first[1] == again[1] and np.array_equal(first[2], again[2])
+
+
+def test_update_snapshot_reuses_its_copies_and_restores_values_keys_and_groups():
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    snap = UpdateSnapshot(opt)
+    snap.save()  # no state yet
+    model.weight.grad = torch.ones_like(model.weight)
+    model.bias.grad = torch.ones_like(model.bias)
+    opt.step()
+    snap.restore()  # the state the step created is dropped, the parameters put back
+    assert len(opt.state) == 0
+    opt.step()
+    weight, momentum = model.weight.detach().clone(), opt.state[model.weight]["momentum_buffer"]
+    snap.save()
+    copies = [t.data_ptr() for t in snap.tensors.saved.values()]
+    snap.save()
+    assert [t.data_ptr() for t in snap.tensors.saved.values()] == copies  # no new allocations step to step
+    kept = momentum.clone()
+    opt.step()
+    opt.state[model.weight]["added"] = 1
+    opt.param_groups[0]["lr"] = 5.0
+    snap.restore()
+    assert torch.equal(model.weight, weight) and torch.equal(opt.state[model.weight]["momentum_buffer"], kept)
+    assert opt.state[model.weight]["momentum_buffer"] is momentum  # restored in place, same tensor
+    assert "added" not in opt.state[model.weight] and opt.param_groups[0]["lr"] == 0.1

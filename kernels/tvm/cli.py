@@ -3,8 +3,8 @@
     tune-kernels --model mobilenet_v2 --input-shape 32,3,32,32 --target cpu --trials 64
     tune-kernels --model path/to/net.py:build --input-shape 8,3,224,224 --target cuda --ops fwd,dgrad
 
-Needs the 'tvm' extra (apache-tvm, apache-tvm-ffi, xgboost):
-pip install 'pipedp[tvm]'. Training with the exported kernels needs only
+Needs the 'tvm' extra (apache-tvm, apache-tvm-ffi, xgboost; xgboost-cpu on
+Linux and Windows): pip install 'pipedp[tvm]'. Training with the exported kernels needs only
 the TVM runtime.
 
 On CPU both activation layouts are tuned by default (torch's own depthwise
@@ -126,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-shape", **required, help="N,C,H,W the model is called with (required)")
     p.add_argument("--target", choices=["cpu", "cuda"], default="cpu",
                    help="cpu: this host's CPU; cuda: the GPU torch sees (candidates are measured on it)")
-    p.add_argument("--arch", default=None, help="CUDA arch such as sm_90; None: the arch of the GPU torch sees")
+    p.add_argument("--arch", default="auto", help="CUDA arch such as sm_90 (--target cuda); auto: the arch of the GPU "
+                   "torch sees")
     p.add_argument("--trials", type=int, default=64, help="measured candidates per kernel")
     p.add_argument("--batch", type=int, default=8, help="candidates per tuning round")
     p.add_argument("--db", default=default_db(), help="folder of the records and exported libraries")
@@ -138,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     allocator.add_argument(p)
     p.add_argument("--num-classes", type=int, default=10, help="classes of a zoo model's classifier")
     p.add_argument("--seed", type=int, default=0, help="seed of the search (the same seed proposes the same configs)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="a progress bar of the "
+                   "trials")
     return p
 
 
@@ -161,7 +163,7 @@ def _main(argv: Sequence[str] | None) -> int:
         if not torch.cuda.is_available():
             raise RuntimeError("--target cuda measures candidates on the GPU: run where torch sees one")
         major, minor = torch.cuda.get_device_capability()
-        arch, device = args.arch or f"sm_{major}{minor}", torch.device("cuda")
+        arch, device = args.arch if args.arch != "auto" else f"sm_{major}{minor}", torch.device("cuda")
     else:
         arch, device = None, torch.device("cpu")
     target = make_target(args.target, arch)
@@ -208,7 +210,7 @@ def _tune_all(problems: list[DepthwiseConv], ops: list[str], layouts: list[str],
     from .tuner import History, Measurement, tune
 
     key = target_key(target)
-    bar = tqdm(total=len(problems) * len(ops) * len(layouts) * args.trials, disable=args.no_progress, unit="trial")
+    bar = tqdm(total=len(problems) * len(ops) * len(layouts) * args.trials, disable=not args.progress, unit="trial")
     torch_us: _TorchUs = {}
     results: list[TuneResult] = []
     versions = tool_versions()

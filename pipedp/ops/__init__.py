@@ -8,10 +8,11 @@ compiler builds on the runtime and never the other way round.
 """
 
 from .depthwise import depthwise_conv2d
+from .records import KernelDbError
 from .runtime import KernelChoice, KernelLibrary, load_library
-from .swap import KERNEL_MODES, TunedDepthwiseConv2d, swap_depthwise
+from .swap import KERNEL_MODES, Swap, TunedDepthwiseConv2d, swap_depthwise
 
 __all__ = [
     "depthwise_conv2d", "KernelChoice", "KernelLibrary", "load_library", "swap_depthwise", "TunedDepthwiseConv2d",
-    "KERNEL_MODES",
+    "KERNEL_MODES", "Swap", "KernelDbError",
 ]

@@ -5,7 +5,10 @@ dilation, dtype, layout), target, config, the kernel's µs, torch's µs in both
 layouts, and the tool versions. Export records name a shared library and
 its sha256, so a loader can refuse a library that is not the one exported.
 A line that does not parse (a crash mid-write, a hand edit) is skipped with a
-warning; it never stops a run.
+warning; it never stops a run. A records file that cannot be read at all
+(a folder in its place, no permission) raises :class:`KernelDbError`, the
+one error a damaged kernel database raises, so ``kernels="auto"`` can fall
+back to torch on exactly that and nothing else.
 """
 
 from __future__ import annotations
@@ -15,9 +18,16 @@ import os
 import warnings
 from typing import Any, Iterable
 
-__all__ = ["append", "read", "best", "problem_key", "latest_export", "RECORDS_FILE"]
+__all__ = ["append", "read", "best", "problem_key", "latest_export", "RECORDS_FILE", "KernelDbError"]
 
 RECORDS_FILE = "records.jsonl"
+
+
+class KernelDbError(RuntimeError):
+    """A kernel database (records file, export record, exported library) or TVM runtime that cannot be used.
+
+    ``kernels="auto"`` keeps torch on exactly this error; ``"tvm"`` raises it.
+    """
 
 
 def problem_key(op: str, problem: dict[str, Any], target: str, layout: str = "NCHW") -> str:
@@ -41,23 +51,38 @@ def append(path: str | os.PathLike, record: dict[str, Any]) -> None:
 
 
 def read(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """All records that parse; corrupt lines are skipped with a warning naming the line."""
+    """All records that parse; corrupt lines are skipped with a warning naming the line.
+
+    Raises :class:`KernelDbError` when the file exists but cannot be read.
+    """
     path = os.fspath(path)
     if not os.path.exists(path):
         return []
+    if os.path.isdir(path):
+        raise KernelDbError(f"{path} is a folder, not a records file: remove it, or point --db / kernel_db at "
+                            f"another folder, and run tune-kernels again")
+    try:
+        with open(path, "rb") as f:
+            lines = f.readlines()
+    except OSError as e:
+        raise KernelDbError(f"cannot read the tuning records {path} ({e.strerror or e}): fix its permissions, or "
+                            f"delete {os.path.dirname(path) or '.'} and run tune-kernels again") from None
+    return _parse(path, lines)
+
+
+def _parse(path: str, lines: list[bytes]) -> list[dict[str, Any]]:
     out = []
-    with open(path, "rb") as f:
-        for no, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                rec = json.loads(raw)
-                if not isinstance(rec, dict) or "kind" not in rec:
-                    raise ValueError("not a record object")
-            except ValueError as e:
-                warnings.warn(f"{path}:{no}: skipping a corrupt tuning record ({e})", stacklevel=2)
-                continue
-            out.append(rec)
+    for no, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw)
+            if not isinstance(rec, dict) or "kind" not in rec:
+                raise ValueError("not a record object")
+        except ValueError as e:
+            warnings.warn(f"{path}:{no}: skipping a corrupt tuning record ({e})", stacklevel=3)
+            continue
+        out.append(rec)
     return out
 
 

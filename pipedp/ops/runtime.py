@@ -4,7 +4,11 @@ The runtime libraries come from ``PIPEDP_TVM_LIB`` (a folder with
 ``libtvm_runtime.so`` and, for CUDA, ``libtvm_runtime_cuda.so``: a GPU host
 can carry just these) or from the installed apache-tvm package, found without
 importing it. A library is loaded only if its sha256 equals the one its
-export record states: a half-written or tampered file never runs.
+export record states: a half-written or tampered file never runs. The
+export record is checked field by field and every function it names is
+looked up at load, so a damaged database fails there, before any layer is
+swapped, with a :class:`~pipedp.ops.records.KernelDbError` naming the file
+and the fix (``kernels="auto"`` then keeps torch).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import importlib.util
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -22,8 +26,10 @@ from . import parallel
 from . import records as rec
 from .artifact import cpu_flags, sha256
 from .problem import DepthwiseConv
+from .records import KernelDbError
 
-__all__ = ["KernelLibrary", "KernelChoice", "load_library", "library", "default_db", "runtime_folder", "target_for"]
+__all__ = ["KernelLibrary", "KernelChoice", "load_library", "library", "default_db", "runtime_folder", "target_for",
+           "KernelDbError"]
 
 _lock = threading.Lock()
 _loaded_runtime: set[str] = set()
@@ -40,7 +46,7 @@ def runtime_folder() -> str:
         return folder
     spec = importlib.util.find_spec("tvm")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(
+        raise KernelDbError(
             "TVM kernels need the TVM runtime: pip install 'pipedp[tvm]', or set PIPEDP_TVM_LIB to a folder "
             "holding libtvm_runtime.so (and libtvm_runtime_cuda.so for CUDA)"
         )
@@ -48,7 +54,10 @@ def runtime_folder() -> str:
 
 
 def _load_runtime(cuda: bool) -> Any:
-    import tvm_ffi
+    try:
+        import tvm_ffi
+    except ImportError as e:
+        raise KernelDbError(f"TVM kernels need the TVM runtime ({e}): pip install 'pipedp[tvm]'") from None
 
     names = ["libtvm_runtime.so"] + (["libtvm_runtime_cuda.so"] if cuda else [])
     with _lock:
@@ -57,8 +66,13 @@ def _load_runtime(cuda: bool) -> Any:
                 continue
             path = os.path.join(runtime_folder(), name)
             if not os.path.exists(path):
-                raise RuntimeError(f"the TVM runtime library {path} is missing: reinstall apache-tvm or fix PIPEDP_TVM_LIB")
-            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+                raise KernelDbError(f"the TVM runtime library {path} is missing: reinstall apache-tvm or fix "
+                                    f"PIPEDP_TVM_LIB")
+            try:
+                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            except OSError as e:
+                raise KernelDbError(f"cannot load the TVM runtime library {path} ({e}): reinstall apache-tvm or fix "
+                                    f"PIPEDP_TVM_LIB") from None
             _loaded_runtime.add(name)
     return tvm_ffi
 
@@ -80,31 +94,19 @@ class KernelLibrary:
     """
 
     def __init__(self, db: str, export: dict[str, Any]) -> None:
+        _check_export(db, export)
         self.db = db
-        try:
-            self.target = str(export["target"])
-            self.path = os.path.join(db, export["library"])
-            self.sha256 = str(export["sha256"])
-            self.kernels: dict[str, str] = dict(export["kernels"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise RuntimeError(
-                f"the export record for {db} is malformed ({type(e).__name__}: {e}): run tune-kernels again to "
-                f"re-export the kernels"
-            ) from None
-        if not os.path.exists(self.path):
-            raise RuntimeError(f"the kernel library {self.path} is missing: run tune-kernels again to export it")
-        digest = sha256(self.path)
-        if digest != self.sha256:
-            raise RuntimeError(
-                f"refusing to load {self.path}: its sha256 {digest[:16]}... is not the exported {self.sha256[:16]}... "
-                f"(the file was changed or half-written); run tune-kernels again to re-export it"
-            )
+        self.target: str = export["target"]
+        self.path = os.path.join(db, export["library"])
+        self.sha256: str = export["sha256"]
+        self.kernels: dict[str, str] = dict(export["kernels"])
+        self.timings: dict[str, dict[str, Any]] = dict(export.get("timings") or {})
+        _verify(db, self.path, self.sha256)
         tvm_ffi = _load_runtime(self.target.startswith("cuda"))
-        self.module = tvm_ffi.load_module(self.path)
+        self.module = _load_module(tvm_ffi, db, self.path)
+        self._funcs: dict[str, Callable[..., Any]] = _functions(self.module, db, self.path, self.kernels.values())
         # CPU kernels' parallel loops on torch's OpenMP team (False: they keep TVM's pool)
         self.torch_team = not self.target.startswith("cuda") and parallel.route(self.path)
-        self.timings: dict[str, dict[str, Any]] = dict(export.get("timings") or {})
-        self._funcs: dict[str, Callable[..., Any]] = {}
         self.lookups: dict[tuple, Callable[..., Any] | None] = {}  # pipedp.ops.depthwise's per-signature answers
 
     @property
@@ -123,8 +125,6 @@ class KernelLibrary:
         sym = self.kernels.get(pk)
         if sym is None or (faster_only and not self.beats_torch(pk)):
             return None
-        if sym not in self._funcs:
-            self._funcs[sym] = self.module[sym]
         return self._funcs[sym]
 
     def beats_torch(self, problem_key: str) -> bool:
@@ -132,6 +132,75 @@ class KernelLibrary:
         t = self.timings.get(problem_key) or {}
         us, base = t.get("us"), t.get("torch_us")
         return not (isinstance(us, (int, float)) and isinstance(base, (int, float))) or us < base
+
+
+def _damaged(db: str, problem: str) -> KernelDbError:
+    return KernelDbError(f"{problem}: run tune-kernels again to re-export the kernels, or delete {db}")
+
+
+def _check_export(db: str, export: dict[str, Any]) -> None:
+    """Refuse an export record whose fields the loader could not use, naming the field (a hand edit, a foreign
+    or truncated record): a clear error here beats a KeyError or a missing function at the first step."""
+    where = f"the export record in {os.path.join(db, rec.RECORDS_FILE)}"
+    for field in ("target", "library", "sha256"):
+        if not isinstance(export.get(field), str) or not export[field]:
+            raise _damaged(db, f"{where} has no {field!r} string (got {export.get(field)!r:.60})")
+    name = export["library"]
+    if os.path.basename(name) != name or name in (".", ".."):
+        raise _damaged(db, f"{where} names the library {name!r:.80}, which is not a file name inside {db}")
+    kernels = export.get("kernels")
+    if not isinstance(kernels, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in kernels.items()):
+        raise _damaged(db, f"{where} has 'kernels' {kernels!r:.60}, not a map of problem keys to function names")
+    timings = export.get("timings")
+    if timings is not None and not (isinstance(timings, dict) and all(isinstance(t, dict) for t in timings.values())):
+        raise _damaged(db, f"{where} has 'timings' {timings!r:.60}, not a map of problem keys to "
+                           f"{{'us': ..., 'torch_us': ...}}")
+    _cpu_flags(db, export)
+
+
+def _cpu_flags(db: str, export: dict[str, Any]) -> set[str]:
+    """The vector extensions a CPU export needs (none recorded: none needed)."""
+    flags = export.get("cpu_flags", [])
+    if not isinstance(flags, list) or not all(isinstance(f, str) for f in flags):
+        raise _damaged(db, f"the export record in {os.path.join(db, rec.RECORDS_FILE)} has 'cpu_flags' "
+                           f"{flags!r:.60}, not a list of CPU feature names")
+    return set(flags)
+
+
+def _verify(db: str, path: str, expected: str) -> None:
+    """The library file is the one exported, byte for byte: anything else is code nobody checked."""
+    if not os.path.isfile(path):
+        raise _damaged(db, f"the kernel library {path} is missing")
+    try:
+        digest = sha256(path)
+    except OSError as e:
+        raise _damaged(db, f"cannot read the kernel library {path} ({e.strerror or e})") from None
+    if digest != expected:
+        raise _damaged(db, f"refusing to load {path}: its sha256 {digest[:16]}... is not the exported "
+                           f"{expected[:16]}... (the file was changed or half-written)")
+
+
+def _load_module(tvm_ffi: Any, db: str, path: str) -> Any:
+    try:
+        return tvm_ffi.load_module(path)
+    except Exception as e:  # the loader's own error types: a library built for another machine or TVM version
+        raise _damaged(db, f"the TVM runtime cannot load {path} ({type(e).__name__}: {e})") from e
+
+
+def _functions(module: Any, db: str, path: str, symbols: Iterable[str]) -> dict[str, Callable[..., Any]]:
+    """Every function the export record names, looked up now, so a record and a library that do not belong
+    together fail at load, before any layer runs them."""
+    found: dict[str, Callable[..., Any]] = {}
+    missing = []
+    for sym in sorted(set(symbols)):
+        try:
+            found[sym] = module[sym]
+        except AttributeError:
+            missing.append(sym)
+    if missing:
+        raise _damaged(db, f"{path} lacks {len(missing)} function(s) its export record names "
+                           f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})")
+    return found
 
 
 @dataclass(frozen=True)
@@ -168,7 +237,8 @@ def library(key: str) -> KernelLibrary:
     for r in reversed(rec.read(os.path.join(db, rec.RECORDS_FILE))):
         if r.get("kind") == "export" and r.get("library") == name and r.get("sha256") == digest:
             return _remember(KernelLibrary(db, r))
-    raise RuntimeError(f"no export record of {path} with sha256 {digest[:16]}...: run tune-kernels again")
+    raise _damaged(db, f"{os.path.join(db, rec.RECORDS_FILE)} has no export record of {path} with sha256 "
+                       f"{digest[:16]}...")
 
 
 def load_library(db: str, device: torch.device) -> KernelLibrary | None:
@@ -180,14 +250,13 @@ def load_library(db: str, device: torch.device) -> KernelLibrary | None:
     if want == "cpu":
         flags = cpu_flags()
         exports = [r for r in records if r.get("kind") == "export" and str(r.get("target", "")).startswith("cpu:")]
-        exports = [r for r in exports if set(r.get("cpu_flags", [])) <= flags]
+        exports = [r for r in exports if _cpu_flags(db, r) <= flags]
         export = exports[-1] if exports else None
     else:
         export = rec.latest_export(records, want)
     if export is None:
         return None
-    if not isinstance(export.get("library"), str) or not isinstance(export.get("sha256"), str):
-        raise RuntimeError(f"the export record for {db} has no library file or sha256: run tune-kernels again")
+    _check_export(db, export)
     path = os.path.realpath(os.path.join(db, export["library"]))
     cached = _loaded.get(f"{path}@{export['sha256']}")
     return cached if cached is not None else _remember(KernelLibrary(db, export))

@@ -14,21 +14,30 @@ On a CPU ``"auto"`` swaps only where the kernels run on torch's OpenMP team
 TVM's own thread pool beside torch's the two pools contend for the cores,
 and a training step ran slower with kernels that each beat torch alone
 (the README has the figures). ``"tvm"`` uses them either way.
+
+A kernel database that cannot be used (unreadable or corrupt records, a
+missing, truncated or tampered library, an export record with missing
+fields) never stops ``"auto"``: it logs a warning naming the problem and the
+fix and keeps torch; ``"tvm"`` raises that error. :func:`swap_depthwise`
+returns a :class:`Swap` that can put every layer back as it was, so a
+``wrap`` that fails after the swap leaves the user's model unchanged.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from .depthwise import depthwise_conv2d, problem_of
 from .layout import layout_of_tensor
-from .runtime import KernelChoice, default_db, library, load_library
+from .records import KernelDbError
+from .runtime import KernelChoice, KernelLibrary, default_db, library, load_library
 
-__all__ = ["TunedDepthwiseConv2d", "is_depthwise", "swap_depthwise", "KERNEL_MODES"]
+__all__ = ["TunedDepthwiseConv2d", "is_depthwise", "swap_depthwise", "Swap", "KERNEL_MODES"]
 
 KERNEL_MODES = ("auto", "torch", "tvm")
 log = logging.getLogger(__name__)
@@ -71,7 +80,30 @@ class TunedDepthwiseConv2d(nn.Conv2d):
             )
 
 
-def _set(layers: list[nn.Module], choice: KernelChoice | None) -> None:
+_ABSENT = object()
+
+
+@dataclass
+class Swap:
+    """What :func:`swap_depthwise` did: ``count`` layers run the kernels; :meth:`undo` puts every layer it
+    touched back to the class and kernel choice it had before (a layer an earlier engine swapped gets that
+    engine's choice back, not plain ``nn.Conv2d``)."""
+
+    count: int
+    _before: list[tuple[nn.Module, type, object]] = field(default_factory=list, repr=False)
+
+    def undo(self) -> None:
+        """Restore the layers as they were before the swap (safe to call more than once)."""
+        for m, cls, kernels in self._before:
+            m.__class__ = cls
+            if kernels is _ABSENT:
+                m.__dict__.pop("kernels", None)
+            else:
+                m.kernels = kernels
+
+
+def _set(layers: list[nn.Module], choice: KernelChoice | None, count: int) -> Swap:
+    swap = Swap(count, [(m, type(m), m.__dict__.get("kernels", _ABSENT)) for m in layers])
     for m in layers:
         if choice is None:
             m.__class__ = nn.Conv2d
@@ -79,37 +111,51 @@ def _set(layers: list[nn.Module], choice: KernelChoice | None) -> None:
         else:
             m.__class__ = TunedDepthwiseConv2d
             m.kernels = choice
+    return swap
 
 
-def swap_depthwise(model: nn.Module, mode: str, db: str | None, device: torch.device) -> int:
-    """Put the depthwise layers of ``model`` on the kernels per ``mode``; returns how many run them.
+def swap_depthwise(model: nn.Module, mode: str, db: str | None, device: torch.device) -> Swap:
+    """Put the depthwise layers of ``model`` on the kernels per ``mode``; ``.count`` says how many run them.
 
     Each layer keeps its own choice (library and policy), so models wrapped
     with different ``mode``s in one process each run what they asked for;
     ``"torch"`` (or no usable library under ``"auto"``) puts layers swapped
-    earlier back to plain ``nn.Conv2d``.
+    earlier back to plain ``nn.Conv2d``. Nothing changes before the library
+    is loaded and checked, so an error leaves the model as it was.
     """
     if mode not in KERNEL_MODES:
         raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {mode!r}")
     layers = [m for m in model.modules() if is_depthwise(m)]
     if mode == "torch" or not layers:
-        _set(layers, None)
-        return 0
+        return _set(layers, None, 0)
     db = db or default_db()
-    lib = load_library(db, device) if os.path.isdir(db) else None
+    lib = _library(db, mode, device, len(layers))
     if lib is None:
         if mode == "tvm":
             raise RuntimeError(
                 f"kernels='tvm' but {db} holds no exported kernels for {device}: run `tune-kernels --model ... "
                 f"--input-shape N,C,H,W --target {device.type} --db {db}` first, or wrap with kernels='auto'"
             )
-        _set(layers, None)
-        return 0
+        return _set(layers, None, 0)
     if mode == "auto" and device.type == "cpu" and not lib.torch_team:
         log.info("kernels='auto' on CPU: torch runs the %d depthwise layer(s), since the kernels could not join "
                  "torch's OpenMP team (no C compiler?) and on TVM's pool they slow a step (see pipedp.ops.swap); "
                  "kernels='tvm' uses them anyway", len(layers))
-        _set(layers, None)
-        return 0
-    _set(layers, KernelChoice(lib.key, faster_only=mode == "auto", strict=mode == "tvm"))
-    return len(layers)
+        return _set(layers, None, 0)
+    return _set(layers, KernelChoice(lib.key, faster_only=mode == "auto", strict=mode == "tvm"), len(layers))
+
+
+def _library(db: str, mode: str, device: torch.device, layers: int) -> KernelLibrary | None:
+    """The checked library in ``db`` for ``device``; a damaged database is an error under ``"tvm"`` and, under
+    ``"auto"``, a warning and None (torch runs the layers: a cache must never block training)."""
+    if not os.path.isdir(db):
+        return None
+    try:
+        return load_library(db, device)
+    except KernelDbError as e:
+        if mode == "tvm":
+            raise KernelDbError(f"kernels='tvm' cannot use the kernels in {db}: {e}; or wrap with kernels='auto' "
+                                f"to run torch") from e
+        log.warning("kernels='auto': torch runs the %d depthwise layer(s), since the kernel database %s cannot be "
+                    "used: %s", layers, db, e)
+        return None

@@ -8,11 +8,17 @@ copied or re-registered.
 
 Three kinds of model are understood, tried in this order:
 
-* ``nn.Sequential``: its children (nested Sequentials expanded up to ``depth``);
+* ``nn.Sequential``: its entries (nested Sequentials expanded up to ``depth``);
 * torchvision-style ResNets (``conv1, bn1, relu, maxpool, layer1..4, avgpool,
   fc``): the stem modules, every residual block, ``avgpool``, a flatten, ``fc``;
 * anything ``torch.fx`` can trace: the graph is cut at every point where exactly
   one tensor is live, and each piece becomes a small ``GraphModule``.
+
+A module object that a Sequential holds at several positions (one ``ReLU``,
+``Dropout`` or ``BatchNorm`` reused, a tied ``Linear``) runs at each of them,
+so it becomes one block per use, each named by the position it is used at,
+all sharing that one object: ``named_children()`` lists an object once and
+would silently drop the later uses.
 """
 
 from __future__ import annotations
@@ -69,9 +75,14 @@ def blocks_of(model: nn.Module, *, depth: int = 1) -> list[Block]:
     return _fx_chain(model)
 
 
+def _uses(seq: nn.Sequential) -> list[tuple[str, nn.Module]]:
+    """Every (position, module) that ``seq.forward`` runs, a reused module once per position."""
+    return [(name, m) for name, m in seq._modules.items() if m is not None]
+
+
 def _sequential(seq: nn.Sequential, prefix: str, depth: int) -> list[Block]:
     out: list[Block] = []
-    for name, child in seq.named_children():
+    for name, child in _uses(seq):
         qual = f"{prefix}{name}"
         if depth > 1 and isinstance(child, nn.Sequential) and len(child) > 0:
             out.extend(_sequential(child, qual + ".", depth - 1))
@@ -92,7 +103,7 @@ def _resnet(model: nn.Module) -> list[Block]:
     blocks = [Block(n, getattr(model, n)) for n in stem]
     for i in range(1, 5):
         layer = getattr(model, f"layer{i}")
-        blocks.extend(Block(f"layer{i}.{n}", m) for n, m in layer.named_children())
+        blocks.extend(Block(f"layer{i}.{n}", m) for n, m in _uses(layer))
     blocks += [Block("avgpool", model.avgpool), Block("flatten", nn.Flatten(1)), Block("fc", model.fc)]
     return blocks
 
@@ -214,8 +225,11 @@ def check_chain(model: nn.Module, blocks: list[Block], sample: torch.Tensor) -> 
     leaf that requires grad, as a pipeline stage would; a block that modifies
     that input in place (e.g. ``ReLU(inplace=True)`` right after a cut) is
     reported, so a stage starting with it can take a copy of its input.
+    A model output with NaN/inf cannot be compared, so it is refused as such
+    (naming where the NaN/inf first appears) rather than passed unchecked.
     """
     flags: list[bool] = []
+    first_bad: str | None = None  # the first block whose output is not finite
     with module_mode(model, training=False):
         with torch.no_grad():
             ref = model(sample)
@@ -235,13 +249,44 @@ def check_chain(model: nn.Module, blocks: list[Block], sample: torch.Tensor) -> 
                     f"block '{b.name}' of {type(model).__name__} returns {type(y).__name__}, not a tensor; "
                     f"only a single tensor can pass between stages. To proceed, {_HOW}"
                 )
+            if first_bad is None and not _finite(y):
+                first_bad = b.name
     y = y.detach()
-    if not isinstance(ref, torch.Tensor) or ref.shape != y.shape or not torch.allclose(
-        ref.float(), y.float(), rtol=1e-4, atol=1e-5
-    ):
+    _check_output(model, ref, sample, first_bad)
+    if ref.shape != y.shape or not torch.allclose(ref.float(), y.float(), rtol=1e-4, atol=1e-5):
         raise ValueError(
             f"{type(model).__name__}.forward is not the chain of its blocks "
             f"({', '.join(b.name for b in blocks[:6])}{', ...' if len(blocks) > 6 else ''}): "
             f"running them in order gives a different result. To proceed, {_HOW}"
         )
     return flags
+
+
+def _finite(t: torch.Tensor) -> bool:
+    return not t.is_floating_point() or bool(torch.isfinite(t).all())
+
+
+def _check_output(model: nn.Module, ref: object, sample: torch.Tensor, first_bad: str | None) -> None:
+    """Refuse a model output that cannot be compared with the chain's: not a tensor, or not finite."""
+    name = type(model).__name__
+    if not isinstance(ref, torch.Tensor):
+        raise ValueError(
+            f"{name}.forward returns {type(ref).__name__}, not a single tensor, so it cannot be cut into "
+            f"stages (a loss_fn that takes it still works on one stage). To proceed, use stages=1 "
+            f"(no pipeline cut), or wrap the model so that its forward returns one tensor"
+        )
+    if _finite(ref):
+        return
+    bad = int((~torch.isfinite(ref)).sum())
+    if not _finite(sample):
+        where = "the batch itself holds NaN/inf"
+    elif first_bad is not None:
+        where = f"they first appear in the output of block '{first_bad}'"
+    else:
+        where = "the blocks run one by one stay finite, so the model's forward does more than its blocks"
+    raise ValueError(
+        f"{name}'s output on the batch it is planned on is not finite ({bad} of {ref.numel()} values are "
+        f"NaN/inf; {where}), so pipedp cannot check that its blocks compute the model. To proceed, check "
+        f"the data and the model's initialisation, or plan on a finite batch with wrap(..., sample=<batch>), "
+        f"or use stages=1 (no pipeline cut, no check)"
+    )

@@ -93,7 +93,7 @@ def _saved_bytes(run: Callable[[], torch.Tensor], params: Sequence[torch.Tensor]
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         y = run()
-    return total, y.detach()
+    return total, y.detach() if isinstance(y, torch.Tensor) else y
 
 
 def profile_blocks(

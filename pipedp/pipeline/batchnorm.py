@@ -1,50 +1,124 @@
-"""Deferred BatchNorm statistics: running stats updated once per step, from the whole batch.
+"""Deferred BatchNorm statistics: running statistics updated at the end of a step, in a chosen order.
 
 With microbatches, every BatchNorm normalises each microbatch with that
 microbatch's statistics (as GPipe does) and, left alone, updates its running
-statistics once per microbatch. ``batchnorm="batch"`` instead accumulates the
-microbatch statistics (count, mean, M2; Chan's parallel merge) and commits one
-running-statistics update per step, equal to what one forward over the whole
-batch would have done. The user's modules are not replaced: for each
-microbatch's forward a hook hands BatchNorm scratch copies of its running
-buffers to update (autograd may save them, so they are never touched again) and
-puts the originals back after; the commit then updates the originals once.
-Parameter and buffer names and objects never change.
+statistics once per microbatch and use. ``batchnorm="batch"`` instead
+accumulates the microbatch statistics of each use (count, mean, M2; Chan's
+parallel merge) and commits one running-statistics update per use and step,
+equal to what one forward over the whole batch would have done.
+
+A BatchNorm object the model uses twice, with the uses in different stages,
+needs deferring under ``batchnorm="microbatch"`` too: plain PyTorch updates it
+use after use within each microbatch, while a pipeline runs a stage's
+microbatches before the next stage's, and running statistics (an exponential
+average) depend on the order of updates. Deferred per microbatch, the commit
+replays the updates in plain order: microbatch by microbatch, use by use.
+
+A use is identified by the stage (chain) running it and by how many times that
+chain's forward has called the module before; a chain's forwards within a step
+are its microbatches in order. The user's modules are not replaced: for each
+forward a hook hands BatchNorm scratch copies of its running buffers to update
+(autograd may save them, so they are never touched again) and puts the
+originals back after; the commit then updates the originals. Parameter and
+buffer names and objects never change.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable, Sequence
 
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-__all__ = ["DeferredBatchNorm"]
+__all__ = ["DeferredBatchNorm", "batchnorms_in_several"]
+
+_Use = tuple[int, int]  # (chain position, -1 outside any chain; call number within that chain's forward)
+_Moments = tuple[int, torch.Tensor, torch.Tensor]  # (count, mean, M2) of one call's input
 
 
 class _Stats:
-    __slots__ = ("count", "mean", "m2", "saved")
+    __slots__ = ("calls", "saved")
 
     def __init__(self) -> None:
-        self.count = 0
-        self.mean: torch.Tensor | None = None
-        self.m2: torch.Tensor | None = None
+        self.calls: dict[_Use, list[_Moments]] = {}  # per use, one entry per microbatch in order
         self.saved: tuple[torch.Tensor, ...] | None = None
 
 
-class DeferredBatchNorm:
-    """Hooks on every running-stats BatchNorm of a model; active only inside a step."""
+def _tracked(model: nn.Module) -> list[_BatchNorm]:
+    return [m for m in model.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
 
-    def __init__(self, model: nn.Module) -> None:
+
+def batchnorms_in_several(chains: Sequence[nn.Module]) -> list[_BatchNorm]:
+    """Running-stats BatchNorms that more than one of ``chains`` (stages) uses."""
+    seen: dict[_BatchNorm, int] = {}
+    for chain in chains:
+        for m in set(_tracked(chain)):
+            seen[m] = seen.get(m, 0) + 1
+    return [m for m, n in seen.items() if n > 1]
+
+
+def _merge(calls: list[_Moments]) -> _Moments:
+    """The moments of the concatenated inputs of ``calls`` (Chan's parallel merge)."""
+    count, mean, m2 = calls[0]
+    for n, mu, q in calls[1:]:
+        total = count + n
+        delta = mu - mean
+        mean = mean + delta * (n / total)
+        m2 = m2 + q + delta * delta * (count * n / total)
+        count = total
+    return count, mean, m2
+
+
+def _update(m: _BatchNorm, moments: _Moments) -> None:
+    """One running-statistics update of ``m``, as its own forward on that input would make."""
+    count, mean, m2 = moments
+    m.num_batches_tracked.add_(1)
+    # A Python float for a fixed momentum: no host-to-device copy, so no sync.
+    factor: torch.Tensor | float
+    if m.momentum is None:
+        factor = 1.0 / m.num_batches_tracked.to(torch.float32)
+    else:
+        factor = float(m.momentum)
+    unbiased = m2 / max(count - 1, 1)
+    rm, rv = m.running_mean, m.running_var
+    rm.copy_((rm.float() * (1 - factor) + mean * factor).to(rm.dtype))
+    rv.copy_((rv.float() * (1 - factor) + unbiased * factor).to(rv.dtype))
+
+
+class DeferredBatchNorm:
+    """Hooks on a model's running-stats BatchNorms (and its stages' chains); active only inside a step.
+
+    ``chains`` are the stages' modules in pipeline order, so that each use of a
+    BatchNorm is told apart. ``per_microbatch=False`` (``batchnorm="batch"``)
+    commits one update per use from the whole batch; ``per_microbatch=True``
+    commits the per-microbatch updates plain training makes, in its order.
+    ``only`` limits the hooks to those BatchNorms (default: all of the model's).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        chains: Sequence[nn.Module] = (),
+        *,
+        per_microbatch: bool = False,
+        only: Iterable[_BatchNorm] | None = None,
+    ) -> None:
         self.active = False
-        self._stats: dict[_BatchNorm, _Stats] = {}
+        self.per_microbatch = per_microbatch
+        keep = set(only) if only is not None else None
+        self._stats: dict[_BatchNorm, _Stats] = {
+            m: _Stats() for m in _tracked(model) if keep is None or m in keep
+        }
+        self._chain: int = -1  # the chain whose forward is running, -1 outside one
+        self._calls: dict[_BatchNorm, int] = {}  # calls of each module within the running chain forward
         self._handles = []
-        for m in model.modules():
-            if isinstance(m, _BatchNorm) and m.track_running_stats:
-                self._stats[m] = _Stats()
-                self._handles.append(m.register_forward_pre_hook(self._before))
-                self._handles.append(m.register_forward_hook(self._after))
+        for pos, chain in enumerate(chains):
+            self._handles.append(chain.register_forward_pre_hook(lambda *_, p=pos: self._enter(p)))
+            self._handles.append(chain.register_forward_hook(lambda *_: self._leave()))
+        for m in self._stats:
+            self._handles.append(m.register_forward_pre_hook(self._before))
+            self._handles.append(m.register_forward_hook(self._after))
 
     def __len__(self) -> int:
         return len(self._stats)
@@ -56,7 +130,8 @@ class DeferredBatchNorm:
 
     def begin(self) -> None:
         for st in self._stats.values():
-            st.count, st.mean, st.m2, st.saved = 0, None, None, None
+            st.calls, st.saved = {}, None
+        self._leave()
         self.active = True
 
     def abort(self) -> None:
@@ -66,23 +141,31 @@ class DeferredBatchNorm:
         self.begin()
         self.active = False
 
+    def _enter(self, pos: int) -> None:
+        self._chain = pos
+        self._calls = {}
+
+    def _leave(self) -> None:
+        self._chain = -1
+        self._calls = {}
+
+    def _use(self, m: _BatchNorm) -> _Use:
+        if self._chain < 0:
+            return (-1, 0)  # no chain: every call is the next microbatch of one use
+        k = self._calls.get(m, 0)
+        self._calls[m] = k + 1
+        return (self._chain, k)
+
     def _before(self, m: _BatchNorm, args: tuple[Any, ...]) -> None:
         if not (self.active and m.training):
             return
         x = args[0].detach()
         dims = [d for d in range(x.dim()) if d != 1]
         n = x.numel() // x.shape[1]
+        st = self._stats[m]
         with torch.no_grad():
             var, mean = torch.var_mean(x.float(), dim=dims, correction=0)
-            st = self._stats[m]
-            if st.count == 0:
-                st.count, st.mean, st.m2 = n, mean, var * n
-            else:
-                total = st.count + n
-                delta = mean - st.mean
-                st.mean = st.mean + delta * (n / total)
-                st.m2 = st.m2 + var * n + delta * delta * (st.count * n / total)
-                st.count = total
+            st.calls.setdefault(self._use(m), []).append((n, mean, var * n))
             if st.saved is None:
                 st.saved = (m.running_mean, m.running_var, m.num_batches_tracked)
             m.running_mean = m.running_mean.clone()
@@ -100,21 +183,17 @@ class DeferredBatchNorm:
             st.saved = None
 
     def commit(self) -> None:
-        """Apply one running-statistics update per BatchNorm from the accumulated batch."""
+        """Apply the step's running-statistics updates: per use (whole batch) or per microbatch and use."""
         self.active = False
         with torch.no_grad():
             for m, st in self._stats.items():
-                if st.count == 0 or st.mean is None or st.m2 is None:
-                    continue
-                m.num_batches_tracked.add_(1)
-                # A Python float for a fixed momentum: no host-to-device copy, so no sync.
-                factor: torch.Tensor | float
-                if m.momentum is None:
-                    factor = 1.0 / m.num_batches_tracked.to(torch.float32)
+                uses = [st.calls[u] for u in sorted(st.calls)]  # chain order, then call order: the model's
+                if self.per_microbatch:
+                    for i in range(max((len(c) for c in uses), default=0)):
+                        for calls in uses:
+                            if i < len(calls):
+                                _update(m, calls[i])
                 else:
-                    factor = float(m.momentum)
-                unbiased = st.m2 / max(st.count - 1, 1)
-                rm, rv = m.running_mean, m.running_var
-                rm.copy_((rm.float() * (1 - factor) + st.mean * factor).to(rm.dtype))
-                rv.copy_((rv.float() * (1 - factor) + unbiased * factor).to(rv.dtype))
-                st.count, st.mean, st.m2 = 0, None, None
+                    for calls in uses:
+                        _update(m, _merge(calls))
+                st.calls = {}

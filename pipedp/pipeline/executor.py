@@ -13,7 +13,7 @@ stand-in and the same code runs sequentially.
 from __future__ import annotations
 
 import time
-from typing import Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
@@ -25,7 +25,7 @@ from .stage import Stage
 from .stream import Lane, current_lane, new_lane
 from .trace import Clock
 
-__all__ = ["Executor", "StepTimer"]
+__all__ = ["Executor", "StepTimer", "tensors_in"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -95,6 +95,14 @@ def _loss_error(loss: object) -> str | None:
     if not loss.requires_grad:
         return "loss_fn returned a scalar that does not require grad: no parameter of the model takes part in it"
     return None
+
+
+def tensors_in(out: Any) -> list[torch.Tensor]:
+    """The tensors inside a stage's output (a tensor, or tuples, lists and dicts of them)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    items = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
+    return [t for item in items for t in tensors_in(item)]
 
 
 class Executor:
@@ -226,10 +234,12 @@ class Executor:
         return step.total
 
     # -- inference ------------------------------------------------------------------------------
-    def forward(self, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def forward(self, xs: Sequence[torch.Tensor]) -> list[Any]:
         """Forward of every microbatch (under the caller's grad mode); outputs of the last stage.
 
-        On a rank without the last stage the list is empty.
+        On a rank without the last stage the list is empty. The last stage may
+        return what ``loss_fn`` takes (a tuple, a dict; see
+        :func:`~pipedp.pipeline.microbatch.gather`).
         """
         m = self.microbatches
         if len(xs) != m:
@@ -241,7 +251,8 @@ class Executor:
         cur = current_lane(self.stages[-1].device)
         result = [o for o in step.outputs[self.n - 1] if o is not None]
         for o in result:
-            cur.keep(o)
+            for t in tensors_in(o):
+                cur.keep(t)
         return result
 
 
@@ -299,7 +310,7 @@ class _Step:
             self.losses[i] = loss
             self.total = loss.detach() if self.total is None else self.total + loss.detach()
         else:
-            if not isinstance(out, torch.Tensor):
+            if not isinstance(out, torch.Tensor) and s < ex.n - 1:  # the last stage's output leaves the pipeline
                 raise ValueError(f"stage {s} ({stage.names[-1]}) returned {type(out).__name__}, not a tensor")
             self.outputs[s][i] = out
             if s + 1 < ex.n and s + 1 not in ex.local:

@@ -9,11 +9,21 @@ on that stage's own communication lane) the moment its last parameter has
 accumulated, while this and other stages are still in backward. The optimizer
 waits only on those collectives (:meth:`GradSync.wait`).
 
-Averaging: each bucket is divided by the group size and summed, which equals
-the gradient of the global batch's mean loss when every rank feeds an equal
-local batch. With ``reduce_dtype`` (bf16/fp16) the bucket travels in that dtype:
-half the bytes, at the cost of rounding each rank's contribution to 8 (bf16) or
-11 (fp16) significant bits before the sum.
+Averaging: the result is the gradient of the global batch's mean loss, as if
+one process trained on all ranks' samples at once. The global batch of
+``N = sum(n_r)`` samples has mean loss ``sum(n_r * mean_r) / N``, so rank ``r``'s
+gradient counts with weight ``n_r / N``, not ``1 / ranks`` (which is DDP's mean
+of per-rank means, the same only when every rank feeds an equal batch). Each
+step starts with :meth:`GradSync.begin`: one single-number all-reduce of the
+local batch sizes on the same group, issued before any bucket's, so it is done
+first; a bucket is divided by the group size as before and multiplied by
+``n_r * ranks / N``, which is exactly 1 for equal batches (then the numbers are
+those of a plain average). On CUDA that factor stays on the device (the lane
+waits for the count, the host does not); on the CPU the first bucket waits for
+the count, which its peers sent when they began the step. With
+``reduce_dtype`` (bf16/fp16) the bucket travels in that dtype: half the bytes,
+at the cost of rounding each rank's contribution to 8 (bf16) or 11 (fp16)
+significant bits before the sum.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ __all__ = ["GradSync", "SyncStats", "DEFAULT_BUCKET_BYTES"]
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb
 FIRST_BUCKET_BYTES = 1024 * 1024  # DDP's first bucket
+_COUNT = "the all-reduce of the local batch sizes"
 
 
 @dataclass
@@ -138,6 +149,11 @@ class GradSync:
             dev = mine[0].device if mine else torch.device("cpu")
             self.lanes.append(new_lane(dev, f"gradsync{s}"))
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulated) for b in self.buckets for p in b.params]
+        # The step's local batch size, summed over the group on each device that has buckets.
+        self._counts = {b.flat.device: torch.zeros(1, dtype=torch.float64, device=b.flat.device) for b in self.buckets}
+        self._local = 0
+        self._count_work: dict[torch.device, Any] = {}
+        self._weights: dict[int, Any] = {}  # per stage: the factor of this step (None: 1)
         self.last = SyncStats()
         self._wait_started = 0.0
         self._wait_events: dict[torch.device, Any] = {}
@@ -155,6 +171,43 @@ class GradSync:
                     p.grad = b.flat[off : off + n].view_as(p)
                     off += n
         self._armed.clear()
+        self._count_work, self._weights = {}, {}
+
+    def begin(self, local_batch: int) -> None:
+        """This step feeds ``local_batch`` samples here: weigh this rank by its share of the global batch.
+
+        Call after :meth:`attach`, before the backward. Without it a step averages
+        plainly (right for equal local batches only).
+        """
+        if isinstance(local_batch, bool) or not isinstance(local_batch, int) or local_batch < 1:
+            raise ValueError(f"the local batch size must be a positive int, got {local_batch!r}")
+        self._local = local_batch
+        for dev, count in self._counts.items():
+            count.fill_(local_batch)  # on the current stream: no host sync
+            try:
+                self._count_work[dev] = dist.all_reduce(count, group=self.group, async_op=True)
+            except RuntimeError as e:
+                raise DistributedError(self._failure("starting", e, _COUNT)) from e
+
+    def _weight(self, stage: int, dev: torch.device) -> Any:
+        """This rank's factor ``n_r * ranks / N`` on the current lane (None when it is 1 or no count was begun)."""
+        if stage in self._weights:
+            return self._weights[stage]
+        work = self._count_work.get(dev)
+        weight: Any = None
+        if work is not None and dev.type == "cuda":
+            work.wait()  # device-side: the lane (current stream) waits for the count
+            weight = torch.full((), float(self._local * self.size), dtype=torch.float64, device=dev)
+            weight.div_(self._counts[dev][0])
+        elif work is not None:
+            try:
+                work.wait(self.timeout)
+            except RuntimeError as e:
+                raise DistributedError(self._failure("waiting for", e, _COUNT)) from e
+            factor = self._local * self.size / self._counts[dev].item()
+            weight = None if factor == 1.0 else factor
+        self._weights[stage] = weight
+        return weight
 
     def arm(self, stage: int) -> None:
         """Stage ``stage`` starts its last backward: launch each bucket when it is complete."""
@@ -189,6 +242,9 @@ class GradSync:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(lane.stream)
             b.flat.div_(self.size)
+            weight = self._weight(b.stage, dev)
+            if weight is not None:
+                b.flat.mul_(weight)
             wire = b.flat if self.reduce_dtype in (None, b.flat.dtype) else b.flat.to(self.reduce_dtype)
             b.issued = time.perf_counter()
             try:
@@ -275,9 +331,10 @@ class GradSync:
                 out.append((b.stage, nbytes, clock.ms(b.issued), clock.ms(done)))
         return out
 
-    def _failure(self, what: str, cause: BaseException) -> str:
+    def _failure(self, what: str, cause: BaseException, of: str = "gradient all-reduce") -> str:
+        """The message of a failed collective ``of``, ``what`` (starting / waiting for) it."""
         return (
-            f"gradient all-reduce over the data-parallel group failed while {what} it at step {self.step} "
+            f"{of} over the data-parallel group failed while {what} it at step {self.step} "
             f"(this is rank {dist.get_rank()}; the group has {self.size} ranks): a peer rank died, hung "
             f"past the {self.timeout.total_seconds():.0f} s timeout, or was not at the same step. "
             f"Check the other ranks' logs, then restart from the last checkpoint. Cause: {cause}"

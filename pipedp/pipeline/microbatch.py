@@ -8,7 +8,7 @@ gradient equal the gradient of the batch-mean loss.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -44,10 +44,38 @@ def shares(chunk_sizes: Sequence[int]) -> list[float]:
     return [n / total for n in chunk_sizes]
 
 
-def gather(outputs: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Concatenate per-microbatch outputs along dim 0 (memory format is kept)."""
+def gather(outputs: Sequence[Any]) -> Any:
+    """Per-microbatch outputs as one: tensors concatenated along dim 0 (memory format kept).
+
+    Outputs may be what ``loss_fn`` takes (tuples, named tuples, lists, dicts
+    of tensors): they are gathered part by part. A part without a batch
+    dimension (a 0-dim tensor, a number) cannot be gathered exactly unless it
+    is the same in every microbatch: a clear error otherwise.
+    """
     if not outputs:
         raise ValueError("no microbatch outputs to gather")
     if len(outputs) == 1:
         return outputs[0]
-    return torch.cat(list(outputs), dim=0)
+    return _gather(outputs)
+
+
+def _gather(outs: Sequence[Any]) -> Any:
+    first = outs[0]
+    if isinstance(first, torch.Tensor) and all(isinstance(o, torch.Tensor) for o in outs):
+        if first.dim() == 0:
+            raise ValueError(
+                "the model's output holds a 0-dim tensor, which has no batch dimension to gather over "
+                "microbatches: for this forward call engine.module(x), or use microbatches=1"
+            )
+        return torch.cat(list(outs), dim=0)
+    if isinstance(first, dict) and all(isinstance(o, dict) and o.keys() == first.keys() for o in outs):
+        return type(first)((k, _gather([o[k] for o in outs])) for k in first)
+    if isinstance(first, (tuple, list)) and all(type(o) is type(first) and len(o) == len(first) for o in outs):
+        parts = [_gather([o[j] for o in outs]) for j in range(len(first))]
+        return type(first)(*parts) if hasattr(first, "_fields") else type(first)(parts)
+    if all(type(o) is type(first) and o == first for o in outs):
+        return first
+    raise ValueError(
+        f"the model's outputs of the microbatches ({type(first).__name__}) differ in a way that cannot be "
+        f"gathered into one: for this forward call engine.module(x), or use microbatches=1"
+    )

@@ -27,7 +27,7 @@ def test_synthetic_run_writes_results_table_plots_and_a_trace(tmp_path):
     out = tmp_path / "out"
     res = reproduce(["--dataset", "synthetic", "--models", "resnet18,resnet50", "--epochs", "1", "--image-size", "16",
                      "--train-images", "32", "--test-images", "12", "--stages", "2", "--trace",
-                     str(tmp_path / "t.json"), "--out", str(out), *TINY])
+                     str(tmp_path / "t.json"), "--window", "2", "--out", str(out), *TINY])
     saved = json.loads((out / "results.json").read_text())
     assert [r["model"] for r in saved["runs"]] == ["resnet18", "resnet50"] and saved["machine"]["device"] == "cpu"
     for r in saved["runs"]:
@@ -37,8 +37,18 @@ def test_synthetic_run_writes_results_table_plots_and_a_trace(tmp_path):
             assert 0 <= ep["test_acc"] <= 100
         assert r["speedup"] == pytest.approx(r["plain"]["time_s"] / r["pipedp"]["time_s"])
         assert r["plan_summary"].startswith("2 stage(s)")
+        # Every timing window's time, both sides: 32 images at batch 8 are 4 steps, windows of 2 (--window 2).
+        assert r["window_steps"] == [2, 2]
+        for side in ("plain", "pipedp"):
+            assert len(r[side]["window_s"]) == 2 and sum(r[side]["window_s"]) == pytest.approx(r[side]["time_s"])
+        ratios = [a / b for a, b in zip(r["plain"]["window_s"], r["pipedp"]["window_s"])]
+        spread = r["speedup_windows"]
+        assert spread["windows"] == 2 and (spread["min"], spread["max"]) == pytest.approx((min(ratios), max(ratios)))
+    assert saved["data"] == {"name": "synthetic", "train": 32, "test": 12, "classes": 10, "image_size": 16}
     table = (out / "table.md").read_text()
     assert "| resnet18 | synthetic |" in table and "| resnet50 | synthetic |" in table and "n/a" in table
+    s = saved["runs"][0]["speedup_windows"]
+    assert f"| {s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f}, 2) |" in table
     from PIL import Image
 
     for png in ("speedup.png", "accuracy.png"):
@@ -108,11 +118,12 @@ def test_quick_is_small_and_explicit_choices_win():
 
     args = _resolve(_parser().parse_args(["--quick"]))
     assert args.model_list == ["resnet18"] and args.epochs == QUICK["epochs"] and args.train_images == QUICK["train"]
+    assert args.window == 2 and args.data_root is None and args.trace is None  # 4 windows of a model's 8 steps
     args = _resolve(_parser().parse_args(["--quick", "--models", "resnet18,resnet34", "--epochs", "3"]))
     assert args.model_list == ["resnet18", "resnet34"] and args.epochs == 3
     assert _resolve(_parser().parse_args([])).model_list == ["resnet18", "resnet34", "resnet50"]
     full = _resolve(_parser().parse_args([]))
-    assert (full.epochs, full.batch_size, full.train_images, full.image_size) == (10, 128, None, None)
+    assert (full.epochs, full.batch_size, full.train_images, full.image_size, full.window) == (10, 128, None, None, 4)
 
 
 def test_main_returns_0_and_writes_its_outputs(tmp_path, capsys):
@@ -130,11 +141,25 @@ def test_help_and_version_exit_0_and_show_defaults(capsys):
     assert e.value.code == 0
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     for default in ("(default: digits)", "(default: 4)", "(default: 10; 1 with --quick)", "(default: reproduce-out)",
-                    "(default: resnet18,resnet34,resnet50; resnet18 with --quick)", "(default: all; 512 with --quick)"):
+                    "(default: resnet18,resnet34,resnet50; resnet18 with --quick)", "(default: all; 512 with --quick)",
+                    "(default: 4; 2 with --quick)", "(default: none; needed by cifar10, cifar100, caltech101)"):
         assert default in text
+    assert "(default: None)" not in text  # every default says what it means
     with pytest.raises(SystemExit) as e:
         main(["--version"])
     assert e.value.code == 0 and pipedp.__version__ in capsys.readouterr().out
+
+
+def test_every_option_has_help_and_a_default_that_says_what_it_means():
+    from experiments.reproduce_paper import _parser
+
+    parser = _parser()
+    text = " ".join(parser.format_help().split())
+    for action in parser._actions:
+        if action.dest in ("help", "version"):
+            continue
+        assert action.help and action.default is not None, action.option_strings
+        assert f"{' '.join(action.help.split())} (default: {action.default})" in text, action.option_strings
 
 
 def _without_extra(code: str) -> subprocess.CompletedProcess:

@@ -1,6 +1,7 @@
 """tune-kernels end to end on a model file, then training with kernels="tvm" in a fresh process; its
 help, version and one-line failures, with and without the compiler's extra installed."""
 
+import argparse
 import importlib.util
 import os
 import subprocess
@@ -142,10 +143,10 @@ def test_auto_on_cpu_swaps_only_on_torchs_thread_team(tuned, monkeypatch):
     net = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, groups=8))
     monkeypatch.setattr(runtime, "_loaded", {})  # a fresh process's cache: the library is loaded (and routed) again
     monkeypatch.setattr(parallel, "route", lambda path: False)  # as without a C compiler: kernels on TVM's pool
-    assert swap_depthwise(net, "auto", str(db), cpu) == 0 and type(net[0]) is nn.Conv2d
+    assert swap_depthwise(net, "auto", str(db), cpu).count == 0 and type(net[0]) is nn.Conv2d
     monkeypatch.setattr(runtime, "_loaded", {})
     monkeypatch.setattr(parallel, "route", lambda path: True)
-    assert swap_depthwise(net, "auto", str(db), cpu) == 1 and type(net[0]) is TunedDepthwiseConv2d
+    assert swap_depthwise(net, "auto", str(db), cpu).count == 1 and type(net[0]) is TunedDepthwiseConv2d
     choice = net[0].kernels
     assert choice.faster_only and not choice.strict  # auto: a kernel only where it beat torch
 
@@ -224,10 +225,44 @@ def test_help_and_version_show_defaults_and_the_extra(tmp_path, block):
     out = " ".join(done.stdout.split())  # (argparse wraps lines)
     assert "pip install 'pipedp[tvm]'" in out
     for shown in ("(default: 64)", "(default: 8)", "(default: cpu)", "(default: fwd,dgrad,wgrad)", "(default: auto)",
-                  "(default: reuse)", "(default: 10)", "(default: 0)", "(default: False)", "(required)"):
+                  "(default: reuse)", "(default: 10)", "(default: 0)", "(default: True)", "(required)"):
         assert shown in out, shown
+    assert "(default: None)" not in out  # every default says what it means (--arch: auto, the GPU's own)
     done = _script(["--version"], tmp_path, block)
     assert done.returncode == 0 and done.stdout.startswith("tune-kernels (pipedp) "), done.stdout + done.stderr
+
+
+def test_every_option_has_help_and_a_default_shown():
+    parser = cli.build_parser()
+    text = " ".join(parser.format_help().split())
+    for action in parser._actions:
+        if action.dest in ("help", "version"):
+            continue
+        assert action.help, f"{action.option_strings} has no help"
+        if action.required:
+            assert action.help.endswith("(required)"), action.option_strings
+        else:  # shown, and saying what it means ("None" would not)
+            assert action.default is not None and action.default is not argparse.SUPPRESS, action.option_strings
+            assert f"{' '.join(action.help.split())} (default: {action.default})" in text, action.option_strings
+
+
+def test_the_tvm_extra_takes_xgboosts_cpu_build_where_there_is_one():
+    # The tuner's cost model runs on the CPU: xgboost-cpu (no NCCL, no CUDA) on Linux and Windows; macOS wheels of
+    # xgboost carry no CUDA, and there is no xgboost-cpu for macOS.
+    tomllib = pytest.importorskip("tomllib")
+    from packaging.requirements import Requirement
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        extra = [Requirement(r) for r in tomllib.load(f)["project"]["optional-dependencies"]["tvm"]]
+
+    def installs(platform):
+        env = {"sys_platform": platform, "platform_system": {"linux": "Linux", "win32": "Windows",
+                                                             "darwin": "Darwin"}[platform]}
+        return {r.name for r in extra if r.marker is None or r.marker.evaluate(env)}
+
+    for platform in ("linux", "win32"):
+        assert {"xgboost-cpu"} == installs(platform) & {"xgboost", "xgboost-cpu"}, platform
+    assert {"xgboost"} == installs("darwin") & {"xgboost", "xgboost-cpu"}
 
 
 def test_without_the_extra_a_run_fails_in_one_line_naming_it(tmp_path):

@@ -41,3 +41,19 @@ def test_corrupt_lines_are_skipped_with_a_warning(tmp_path):
 def test_problem_key_is_stable():
     a = R.problem_key("fwd", {"n": 1, "c": 2}, "cpu:x")
     assert a == R.problem_key("fwd", {"c": 2, "n": 1}, "cpu:x") and json.loads(a)[0] == "fwd"
+
+
+def test_a_records_file_that_cannot_be_read_is_a_clear_error(tmp_path, monkeypatch):
+    folder = tmp_path / R.RECORDS_FILE
+    folder.mkdir()
+    with pytest.raises(R.KernelDbError, match=f"{folder} is a folder, not a records file: remove it"):
+        R.read(folder)
+    path = tmp_path / "r.jsonl"
+    R.append(path, _measure(1.0))
+
+    def refuse(p, *args, **kw):
+        raise PermissionError(13, "Permission denied", str(p))
+
+    monkeypatch.setattr(R, "open", refuse, raising=False)
+    with pytest.raises(R.KernelDbError, match=f"cannot read the tuning records {path} .Permission denied.: fix"):
+        R.read(path)

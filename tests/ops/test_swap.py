@@ -28,8 +28,8 @@ def test_tvm_without_exported_kernels_names_the_command(tmp_path):
 def test_auto_and_torch_leave_a_model_without_kernels_alone(tmp_path):
     net = _net()
     keys = list(net.state_dict())
-    assert swap_depthwise(net, "auto", str(tmp_path), torch.device("cpu")) == 0
-    assert swap_depthwise(net, "torch", None, torch.device("cpu")) == 0
+    assert swap_depthwise(net, "auto", str(tmp_path), torch.device("cpu")).count == 0
+    assert swap_depthwise(net, "torch", None, torch.device("cpu")).count == 0
     assert type(net[1]) is nn.Conv2d and list(net.state_dict()) == keys
     with pytest.raises(ValueError, match="kernels must be one of"):
         swap_depthwise(net, "fast", None, torch.device("cpu"))
@@ -50,7 +50,21 @@ def test_torch_puts_swapped_layers_back():
     net = _net()
     net[1].__class__ = TunedDepthwiseConv2d
     assert is_depthwise(net[1])  # a swapped layer is still one of the model's depthwise layers
-    assert swap_depthwise(net, "torch", None, torch.device("cpu")) == 0
+    assert swap_depthwise(net, "torch", None, torch.device("cpu")).count == 0
+    assert type(net[1]) is nn.Conv2d and "kernels" not in vars(net[1])
+
+
+def test_undo_puts_each_layer_back_as_it_was():
+    from pipedp.ops.runtime import KernelChoice
+
+    net = nn.Sequential(nn.Conv2d(8, 8, 3, groups=8), nn.Conv2d(8, 8, 3, groups=8))
+    earlier = KernelChoice("a.so@0", strict=True)
+    net[0].__class__ = TunedDepthwiseConv2d  # as an earlier engine left it
+    net[0].kernels = earlier
+    swap = swap_depthwise(net, "torch", None, torch.device("cpu"))
+    assert swap.count == 0 and all(type(m) is nn.Conv2d and "kernels" not in vars(m) for m in net)
+    swap.undo()
+    assert type(net[0]) is TunedDepthwiseConv2d and net[0].kernels is earlier  # not plain nn.Conv2d
     assert type(net[1]) is nn.Conv2d and "kernels" not in vars(net[1])
 
 
@@ -133,3 +147,12 @@ def test_two_engines_in_one_process_each_get_their_kernels(exported, monkeypatch
         fallbacks.clear()
         a(x)
         assert fallbacks == []
+
+
+def test_undo_takes_a_swapped_model_off_the_kernels(exported):
+    _, db = exported
+    net = _net()
+    swap = swap_depthwise(net, "tvm", str(db), torch.device("cpu"))
+    assert swap.count == 1 and type(net[1]) is TunedDepthwiseConv2d and net[1].kernels.strict
+    swap.undo()
+    assert type(net[1]) is nn.Conv2d and "kernels" not in vars(net[1])

@@ -180,3 +180,59 @@ def test_check_chain_flags_blocks_that_modify_their_input():
     assert flags == [False, True, True, False]
     # The model's training flags are restored afterwards.
     assert model.training
+
+
+def test_a_reused_module_is_a_block_at_every_use():
+    act = nn.ReLU()
+    inner = nn.Sequential(nn.Linear(4, 4), act)
+    model = nn.Sequential(inner, act, inner, nn.Linear(4, 2))
+    keys = list(model.state_dict())
+    assert [b.name for b in blocks_of(model)] == ["0", "1", "2", "3"]
+    blocks = blocks_of(model, depth=2)
+    assert [b.name for b in blocks] == ["0.0", "0.1", "1", "2.0", "2.1", "3"]
+    assert blocks[0].module is blocks[3].module is inner[0]
+    assert blocks[1].module is blocks[2].module is blocks[4].module is act
+    x = torch.randn(3, 4)
+    assert check_chain(model, blocks, x) == [False] * 6
+    assert list(model.state_dict()) == keys  # nothing copied or re-registered
+
+
+def test_a_residual_block_reused_in_a_resnet_layer_is_a_block_at_every_use():
+    model = resnet18(width=4)
+    model.layer1 = nn.Sequential(model.layer1[0], model.layer1[0])
+    blocks = {b.name: b.module for b in blocks_of(model)}
+    assert blocks["layer1.0"] is blocks["layer1.1"] is model.layer1[0]
+    check_chain(model, blocks_of(model), torch.randn(2, 3, 8, 8))
+
+
+class Log(nn.Module):
+    def forward(self, x):
+        return torch.log(x)  # NaN for negative inputs
+
+
+def test_check_chain_names_a_non_finite_output_and_where_it_starts():
+    model = nn.Sequential(nn.Linear(4, 4), Log(), nn.Linear(4, 2))
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match=r"not finite .*first appear in the output of block '1'.*sample=") as e:
+        check_chain(model, blocks_of(model), torch.randn(8, 4))
+    assert "not the chain" not in str(e.value)
+    x = torch.randn(8, 4)
+    x[3, 1] = float("inf")
+    model = nn.Sequential(nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=r"not finite .*the batch itself holds NaN/inf"):
+        check_chain(model, blocks_of(model), x)
+
+
+class ResNetWithFeatures(LooksLikeResNet):
+    def forward(self, x):
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        feats = torch.flatten(self.avgpool(x), 1)
+        return self.fc(feats), feats
+
+
+def test_check_chain_sends_a_model_returning_a_tuple_to_one_stage():
+    model = ResNetWithFeatures()
+    with pytest.raises(ValueError, match=r"forward returns tuple, not a single tensor.*use stages=1") as e:
+        check_chain(model, blocks_of(model), torch.randn(2, 3, 8, 8))
+    assert "not the chain" not in str(e.value)

@@ -1,7 +1,9 @@
+import pytest
 import torch
 from torch import nn
 
 from pipedp.partition import blocks_of, estimate_blocks, profile_blocks
+from pipedp.partition.blocks import Block
 from pipedp.snapshot import preserved_state
 from tests.reference import sequential_cnn
 
@@ -32,3 +34,13 @@ def test_cost_model_orders_blocks_by_work():
     assert profs[1].cost_ms > profs[0].cost_ms > 0
     assert profs[1].backward_ms == 2 * profs[1].forward_ms
     assert sum(p.cost_ms for p in estimate_blocks(blocks_of(sequential_cnn()), torch.randn(2, 3, 8, 8))) > 0
+
+
+class _Pair(nn.Module):
+    def forward(self, x):
+        return x, x
+
+
+def test_a_block_returning_a_tuple_is_a_clear_error():
+    with pytest.raises(ValueError, match="block 'pair' returns tuple, not a tensor"):
+        profile_blocks([Block("pair", _Pair())], torch.randn(2, 3), progress=False)

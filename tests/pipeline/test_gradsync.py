@@ -73,3 +73,47 @@ def test_bad_options_are_clear_errors():
         GradSync([], None, reduce_dtype=torch.int8)
     with pytest.raises(ValueError, match="bucket size"):
         GradSync([], None, bucket_bytes=0)
+
+
+def _one_step(model: nn.Module, x: torch.Tensor, local_batch: int | None) -> list[torch.Tensor]:
+    sync = GradSync([list(model.parameters())], torch.distributed.group.WORLD, bucket_bytes=64 * 4)
+    sync.attach()
+    if local_batch is not None:
+        sync.begin(local_batch)
+    sync.arm(0)
+    model(x).square().mean().backward()
+    sync.finish(0)
+    sync.wait()
+    sync.remove()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _small() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _weighted_cases(rank: int, world: int) -> dict:
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(rank))
+    n = (6, 2)[rank]
+    try:
+        GradSync([], torch.distributed.group.WORLD).begin(0)
+        error = ""
+    except ValueError as e:
+        error = str(e)
+    return {
+        "x": x, "unequal": _one_step(_small(), x[:n], n),
+        "equal": _one_step(_small(), x[:4], 4), "plain": _one_step(_small(), x[:4], None), "error": error,
+    }
+
+
+def test_each_rank_counts_by_its_share_of_the_global_batch():
+    res = multiproc.run(_weighted_cases, 2)
+    model = _small()
+    model(torch.cat([res[0]["x"][:6], res[1]["x"][:2]])).square().mean().backward()  # one process, 8 samples
+    for r in res:
+        for g, e in zip(r["unequal"], (p.grad for p in model.parameters())):
+            assert (g - e).abs().max().item() <= 1e-6
+        # Equal batches: exactly the plain average (the factor is 1).
+        assert all(torch.equal(a, b) for a, b in zip(r["equal"], r["plain"]))
+        assert "positive int, got 0" in r["error"]

@@ -1,3 +1,5 @@
+from collections import namedtuple
+
 import pytest
 import torch
 
@@ -38,3 +40,15 @@ def test_channels_last_survives_split_and_gather():
     parts = split(x, 3)
     assert all(p.is_contiguous(memory_format=torch.channels_last) for p in parts)
     assert gather(parts).is_contiguous(memory_format=torch.channels_last)
+
+
+def test_gather_takes_what_a_loss_function_takes_part_by_part():
+    Out = namedtuple("Out", "logits aux")
+    parts = [Out(torch.full((2, 3), float(i)), {"feat": torch.full((2,), float(i)), "k": 7}) for i in range(3)]
+    whole = gather(parts)
+    assert isinstance(whole, Out) and whole.logits.shape == (6, 3) and whole.aux["k"] == 7
+    assert torch.equal(whole.aux["feat"], torch.tensor([0.0, 0, 1, 1, 2, 2]))
+    with pytest.raises(ValueError, match="0-dim tensor"):
+        gather([torch.tensor(1.0), torch.tensor(2.0)])
+    with pytest.raises(ValueError, match="cannot be gathered"):
+        gather([(torch.ones(1),), (torch.ones(1), torch.ones(1))])
