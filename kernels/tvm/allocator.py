@@ -38,7 +38,7 @@ def reuse_freed_memory() -> bool:
 def add_argument(parser: argparse.ArgumentParser) -> None:
     """``--allocator reuse|default``, as tune-kernels and the benchmarks take it."""
     parser.add_argument("--allocator", choices=["reuse", "default"], default="reuse",
-                        help="reuse (default): freed memory is kept for reuse while measuring, as jemalloc/tcmalloc "
+                        help="reuse: freed memory is kept for reuse while measuring, as jemalloc/tcmalloc "
                              "do, so large outputs do not page-fault on every call and rank candidates by noise; "
                              "default: glibc as configured")
 

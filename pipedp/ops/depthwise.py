@@ -27,7 +27,7 @@ from torch import nn
 from . import threads
 from .layout import arrange, empty, layout_of_tensor
 from .problem import DepthwiseConv
-from .runtime import KernelChoice, KernelLibrary, library
+from .runtime import KernelChoice, KernelLibrary, library, library_or_none
 
 __all__ = ["depthwise_conv2d", "problem_of"]
 
@@ -52,7 +52,9 @@ def _kernel(op: str, device: torch.device, x_shape, w_shape, stride, padding, di
     """
     if not lib_key:
         return None
-    lib = library(lib_key)
+    lib = library_or_none(lib_key) if faster_only else library(lib_key)
+    if lib is None:
+        return None
     key = (op, tuple(x_shape), tuple(w_shape), tuple(stride), tuple(padding), tuple(dilation), dtype, layout,
            faster_only)
     found = lib.lookups.get(key, _MISSING)

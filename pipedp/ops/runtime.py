@@ -14,6 +14,7 @@ and the fix (``kernels="auto"`` then keeps torch).
 from __future__ import annotations
 
 import ctypes
+import logging
 import importlib.util
 import os
 import threading
@@ -28,7 +29,7 @@ from .artifact import cpu_flags, sha256
 from .problem import DepthwiseConv
 from .records import KernelDbError
 
-__all__ = ["KernelLibrary", "KernelChoice", "load_library", "library", "default_db", "runtime_folder", "target_for",
+__all__ = ["KernelLibrary", "KernelChoice", "load_library", "library", "library_or_none", "default_db", "runtime_folder", "target_for",
            "KernelDbError"]
 
 _lock = threading.Lock()
@@ -219,6 +220,7 @@ class KernelChoice:
 
 # Loaded libraries by key: loading is slow and a library's lookups are worth keeping. Only a cache: which
 # library and policy a layer uses is the layer's own KernelChoice.
+log = logging.getLogger(__name__)
 _loaded: dict[str, KernelLibrary] = {}
 
 
@@ -239,6 +241,27 @@ def library(key: str) -> KernelLibrary:
             return _remember(KernelLibrary(db, r))
     raise _damaged(db, f"{os.path.join(db, rec.RECORDS_FILE)} has no export record of {path} with sha256 "
                        f"{digest[:16]}...")
+
+
+_unusable: dict[str, str] = {}  # library key -> why it cannot be loaded in this process (warned once)
+
+
+def library_or_none(key: str) -> KernelLibrary | None:
+    """:func:`library`, or None when its database is damaged: what ``kernels="auto"`` layers run on.
+
+    A model swapped onto the kernels may be used in another process (a
+    pickled model, a DataLoader worker) whose database was damaged since: its
+    layers then fall back to torch, with one warning per library, as a wrap
+    with ``kernels="auto"`` would have done.
+    """
+    if key in _unusable:
+        return None
+    try:
+        return library(key)
+    except KernelDbError as e:
+        _unusable[key] = str(e)
+        log.warning("kernels='auto': torch computes the depthwise layers tuned in %s: %s", key, e)
+        return None
 
 
 def load_library(db: str, device: torch.device) -> KernelLibrary | None:

@@ -202,3 +202,29 @@ def test_a_failed_wrap_restores_an_earlier_engines_kernel_choice():
     with pytest.raises(ValueError, match="cannot be split into 2 microbatches"):
         pipedp.wrap(net, kernels="torch", sample=(1, 3, 16, 16), **OPTS)
     assert all(type(m) is TunedDepthwiseConv2d and m.kernels is earlier for m in _depthwise(net))
+
+
+def test_an_auto_layer_whose_database_was_damaged_since_falls_back_to_torch(exported, tmp_path, monkeypatch,  # noqa: F811
+                                                                             caplog):
+    """Item 7b at run time: an "auto" model used where its library cannot load any more (another process, the
+    database damaged since) computes with torch, warned once, instead of failing its forward."""
+    from pipedp.ops import runtime
+
+    _, good = exported
+    db = tmp_path / "db"
+    shutil.copytree(good, db)
+    net = _net()
+    plain = copy.deepcopy(net)
+    engine = pipedp.wrap(net, kernels="auto", kernel_db=str(db), **OPTS)
+    swapped = [m for m in _depthwise(net) if isinstance(m, TunedDepthwiseConv2d) and m.kernels is not None]
+    if not swapped:
+        pytest.skip("no tuned kernel beat torch here, so 'auto' swapped no layer")
+    x = torch.randn(4, 3, 16, 16)
+    monkeypatch.setattr(runtime, "_loaded", {})  # as in a fresh process
+    monkeypatch.setattr(runtime, "_unusable", {})
+    (db / R.RECORDS_FILE).write_text("")  # and the database damaged since: no export record any more
+    with caplog.at_level(logging.WARNING, logger="pipedp.ops.runtime"):
+        out = engine(x)
+        engine(x)
+    assert torch.allclose(out, plain(x), atol=1e-5)
+    assert caplog.text.count("torch computes the depthwise layers") == 1
