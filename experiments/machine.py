@@ -7,24 +7,15 @@ import platform
 
 import torch
 
+from pipedp.ops.artifact import cpu_name
+
 __all__ = ["describe", "sync"]
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def describe(device: torch.device | str = "cpu") -> dict[str, object]:
     device = torch.device(device)
     out: dict[str, object] = {
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "cpu_cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,

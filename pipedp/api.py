@@ -11,7 +11,9 @@ from .device import DeviceSpec
 from .distributed import DEFAULT_TIMEOUT_S
 from .engine import Engine
 from .optimizer import OptimizerSpec
-from .options import DEFAULT_BUCKET_MB, DataParallelOptions, KernelOptions, PipelineOptions
+from .options import (
+    DEFAULT_BUCKET_MB, DataParallelOptions, KernelOptions, PipelineOptions, RecomputeSpec, TrainingOptions,
+)
 from .planner import StagesSpec
 from .step import LossFn
 
@@ -49,13 +51,19 @@ def wrap(
     distributed: bool = True,
     kernels: str = "auto",
     kernel_db: str | None = None,
+    precision: str = "fp32",
+    channels_last: bool = False,
+    compile: bool = False,
+    clip_grad_norm: float | None = None,
+    recompute: RecomputeSpec = False,
 ) -> Engine:
     """Cut ``model`` into balanced stages and train it as a microbatch pipeline.
 
     The keywords are those of :class:`~pipedp.PipelineOptions` (microbatches
     to rollback), :class:`~pipedp.DataParallelOptions` (pp to timeout;
-    ``distributed`` is its ``enabled``) and :class:`~pipedp.KernelOptions`
-    (``kernels``, ``kernel_db``); ``sample`` (a batch or its shape) plans now
+    ``distributed`` is its ``enabled``), :class:`~pipedp.KernelOptions`
+    (``kernels``, ``kernel_db``) and :class:`~pipedp.TrainingOptions`
+    (precision to recompute); ``sample`` (a batch or its shape) plans now
     instead of on the first batch. ``optimizer`` is built on
     ``model.parameters()`` (or a factory of them); ``loss_fn(output, target)``
     returns a scalar with a mean reduction.
@@ -74,5 +82,9 @@ def wrap(
             reduce_dtype=reduce_dtype, timeout=timeout,
         ),
         kernels=KernelOptions(mode=kernels, db=kernel_db),
+        training=TrainingOptions(
+            precision=precision, channels_last=channels_last, compile=compile, clip_grad_norm=clip_grad_norm,
+            recompute=recompute,
+        ),
         sample=sample,
     )

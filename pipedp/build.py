@@ -20,13 +20,13 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
 from .comm import Communicator
-from .options import PipelineOptions
+from .options import PipelineOptions, TrainingOptions
 from .partition.blocks import Block, Chain, blocks_of, check_chain, module_mode
 from .partition.profile import BlockProfile, estimate_blocks, profile_blocks
 from .pipeline import microbatch
@@ -35,6 +35,7 @@ from .pipeline.executor import Executor, tensors_in
 from .pipeline.gradsync import GradSync
 from .pipeline.graphed import captured_call
 from .pipeline.p2p import Transport
+from .pipeline.recompute import Recompute
 from .pipeline.schedule import get_schedule
 from .pipeline.stage import Stage
 from .pipeline.stream import new_lane
@@ -42,7 +43,7 @@ from .plan import Plan
 from .planner import action_durations, build_plan, resolve_counts, stage_devices, stage_places, stage_times
 from .snapshot import BufferSnapshot, preserved_state
 
-__all__ = ["Pipeline", "build_pipeline", "sync_devices"]
+__all__ = ["Pipeline", "build_pipeline", "sync_devices", "in_layout", "sample_batch"]
 
 
 @dataclass
@@ -106,18 +107,36 @@ def _measurable(blocks: Sequence[Block]) -> list[Block]:
     return list(blocks)
 
 
+def _dress(stage: Stage, training: TrainingOptions, cuda_graph: bool, compile: bool) -> Stage:
+    """``stage`` as the training options run it: under autocast, compiled, recomputed."""
+    stage.autocast = training.autocast_dtype
+    stage.autocast_cache = not cuda_graph
+    body: Any = torch.compile(stage.chain) if compile else None
+    if training.recomputes(stage.index):
+        body = Recompute(body if body is not None else stage.chain, stage.chain)
+    stage.body = body
+    return stage
+
+
 def _executor(
     parts: _Parts, counts: Sequence[int], devices: Sequence[torch.device], options: PipelineOptions,
     comm: Communicator, profiles: Sequence[BlockProfile] | None = None, step: int = 0,
+    training: TrainingOptions | None = None, compile: bool = True,
 ) -> tuple[Executor, Transport | None]:
-    """This rank's stages of the cut ``counts`` on their devices and lanes, with the schedule to run them."""
+    """This rank's stages of the cut ``counts`` on their devices and lanes, with the schedule to run them.
+
+    ``compile=False`` leaves the stages uncompiled even under ``training.compile``
+    (trial steps of candidate cuts: compiling each would take longer than the trial).
+    """
+    training = training if training is not None else TrainingOptions()
     places = stage_places(len(counts), devices, comm.pp)
     stages, start = [], 0
     for s, k in enumerate(counts):
         r, dev = places[s]
         if r == comm.pp_rank:
             chain = Chain(list(parts.blocks[start : start + k])).to(dev)
-            stages.append(Stage(s, chain, dev, new_lane(dev, f"stage{s}"), copy_input=parts.copy_input[start]))
+            stage = Stage(s, chain, dev, new_lane(dev, f"stage{s}"), copy_input=parts.copy_input[start])
+            stages.append(_dress(stage, training, options.cuda_graph, compile and training.compile))
         start += k
     duration = action_durations(*stage_times(profiles, counts)) if profiles is not None else None
     schedule = get_schedule(options.schedule)(len(counts), options.microbatches)
@@ -130,12 +149,14 @@ def _executor(
 
 
 def _trial_ms(parts: _Parts, counts: list[int], batch: torch.Tensor, model: nn.Module,
-              devices: Sequence[torch.device], options: PipelineOptions, comm: Communicator) -> float:
+              devices: Sequence[torch.device], options: PipelineOptions, comm: Communicator,
+              training: TrainingOptions) -> float:
     """Median time of a few forward+backward passes of one candidate cut (no optimizer step).
 
-    With ``cuda_graph`` the candidate is timed captured, as it will run.
+    With ``cuda_graph`` the candidate is timed captured, as it will run (in
+    its precision and with its recompute, but not compiled).
     """
-    ex, _ = _executor(parts, counts, devices, options, comm)
+    ex, _ = _executor(parts, counts, devices, options, comm, training=training, compile=False)
     xs = microbatch.split(batch.to(devices[0]), options.microbatches)
     ys = [t.to(ex.stages[-1].device) for t in xs]
     w = microbatch.shares([t.shape[0] for t in xs])
@@ -158,8 +179,8 @@ def _trial_ms(parts: _Parts, counts: list[int], batch: torch.Tensor, model: nn.M
 
 
 def _decide(parts: _Parts, model: nn.Module, sample: torch.Tensor, batch: torch.Tensor,
-            devices: Sequence[torch.device], options: PipelineOptions, comm: Communicator) \
-        -> tuple[list[BlockProfile], list[int], list[str]]:
+            devices: Sequence[torch.device], options: PipelineOptions, comm: Communicator,
+            training: TrainingOptions) -> tuple[list[BlockProfile], list[int], list[str]]:
     """Profile the blocks and choose the cut (on the deciding rank)."""
     with preserved_state(model, devices), module_mode(model, training=True):
         blocks = _measurable(parts.blocks)
@@ -169,17 +190,35 @@ def _decide(parts: _Parts, model: nn.Module, sample: torch.Tensor, batch: torch.
             profiles = estimate_blocks(blocks, sample)
         counts, notes = resolve_counts(
             profiles, options.stages, devices, options.microbatches, options.schedule,
-            measure=lambda c: _trial_ms(parts, c, batch, model, devices, options, comm), ranks=comm.pp,
+            measure=lambda c: _trial_ms(parts, c, batch, model, devices, options, comm, training), ranks=comm.pp,
         )
     return list(profiles), counts, notes
 
 
+def sample_batch(model: nn.Module, sample: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    """``sample`` itself, or a random batch of that shape in the model's dtype."""
+    if isinstance(sample, torch.Tensor):
+        return sample
+    p = next(model.parameters(), None)
+    return torch.randn(tuple(int(v) for v in sample), dtype=p.dtype if p is not None else torch.float32)
+
+
+def in_layout(x: torch.Tensor, training: TrainingOptions) -> torch.Tensor:
+    """``x`` in the memory format the model runs in (itself when it already is)."""
+    return x.contiguous(memory_format=torch.channels_last) if training.channels_last and x.dim() == 4 else x
+
+
 def build_pipeline(model: nn.Module, batch: torch.Tensor, options: PipelineOptions,
-                   devices: Sequence[torch.device], comm: Communicator, *, step: int = 0) -> Pipeline:
+                   devices: Sequence[torch.device], comm: Communicator, *, step: int = 0,
+                   training: TrainingOptions | None = None) -> Pipeline:
     """The pipeline for ``model`` planned on ``batch`` (its first microbatch is what blocks are timed on)."""
+    training = training if training is not None else TrainingOptions()
     sizes = microbatch.sizes(batch.shape[0], options.microbatches)
     first = devices[0]
     model.to(first)
+    if training.channels_last:
+        model.to(memory_format=torch.channels_last)
+    batch = in_layout(batch, training)
     sample = batch[: sizes[0]].to(first)
     if options.stages == 1 and comm.pp == 1:
         parts = _Parts([Block("model", model)], [False])
@@ -187,7 +226,14 @@ def build_pipeline(model: nn.Module, batch: torch.Tensor, options: PipelineOptio
         blocks = blocks_of(model, depth=options.depth)
         parts = _Parts(blocks, check_chain(model, blocks, sample))
     # Every rank must run the same cut: the first rank decides, the others follow.
-    profiles, counts, notes = comm.decide(lambda: _decide(parts, model, sample, batch, devices, options, comm))
+    profiles, counts, notes = comm.decide(
+        lambda: _decide(parts, model, sample, batch, devices, options, comm, training))
+    bad = [i for i in training.recompute if i >= len(counts)] if not isinstance(training.recompute, bool) else []
+    if bad:  # checked on the cut, not on the trial cuts of stages="auto"
+        raise ValueError(
+            f"recompute names stage(s) {bad} but the pipeline has {len(counts)} stage(s) (0..{len(counts) - 1}): "
+            f"pass indices of existing stages, or recompute=True for all"
+        )
     if comm.pp > 1:
         _check_shared_within_ranks(model, parts.blocks, counts, comm.pp)
     per_rank = len(counts) // comm.pp
@@ -196,19 +242,23 @@ def build_pipeline(model: nn.Module, batch: torch.Tensor, options: PipelineOptio
     used = len(set(stage_devices(per_rank, devices)))
     if used < len(devices):
         notes = notes + [f"{per_rank} stage(s) per rank use {used} of {len(devices)} devices"]
-    executor, transport = _executor(parts, counts, devices, options, comm, profiles, step)
+    executor, transport = _executor(parts, counts, devices, options, comm, profiles, step, training)
     plan = build_plan(
         profiles, counts, devices, microbatches=options.microbatches, microbatch_size=sizes[0],
         schedule=options.schedule, batchnorm=options.batchnorm,
         source="profile" if options.profile else "cost model", notes=notes,
         ranks=comm.pp, layout=comm.describe(),
     )
+    deferred = _batchnorm(model, executor, options)
+    for st in executor.stages:
+        if isinstance(st.body, Recompute) and deferred is not None:
+            st.body.paused.append(deferred)  # a recomputed forward must not record statistics again
     return Pipeline(
         executor=executor,
         plan=plan,
         sync=comm.grad_sync(executor.stages),
         transport=transport,
-        batchnorm=_batchnorm(model, executor, options),
+        batchnorm=deferred,
         buffers=BufferSnapshot(model),
     )
 

@@ -19,8 +19,10 @@ from typing import Any, Callable, Iterator, Protocol, Sequence, TypeVar
 import torch
 from torch import nn
 
-from .distributed import DistributedError, Layout, barrier, check_backend, missing_note, resolve_layout
-from .options import DataParallelOptions, PipelineOptions
+from .distributed import (
+    DistributedError, Layout, all_reduce, barrier, check_backend, missing_note, resolve_layout,
+)
+from .options import DataParallelOptions, PipelineOptions, TrainingOptions
 from .pipeline.gradsync import GradSync
 from .pipeline.p2p import Transport
 from .pipeline.stage import Stage
@@ -56,7 +58,7 @@ class Communicator(Protocol):
         """Refuse devices or options this world cannot run."""
 
     def check_same_model(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                         options: PipelineOptions) -> None:
+                         options: PipelineOptions, training: TrainingOptions | None = None) -> None:
         """Refuse (ValueError on every rank) ranks whose model, optimizer or options differ.
 
         Runs before any collective that sends model tensors, which would abort
@@ -77,6 +79,11 @@ class Communicator(Protocol):
 
     def share_loss(self, loss: torch.Tensor | None, device: torch.device, step: int) -> torch.Tensor | None:
         """The step's loss on every pipeline rank."""
+
+    def all_reduce(self, tensor: torch.Tensor, op: str, over: str, what: str) -> None:
+        """``tensor`` summed (``op="sum"``) or maximised (``"max"``) in place over the ranks of this pipeline
+        (``over="pipeline"``) or all ranks (``"world"``); every rank of that group calls it. ``what`` names
+        it in an error."""
 
     def failure_note(self, step: int) -> str:
         """A sentence for an error of ``step``: which ranks are gone."""
@@ -118,7 +125,7 @@ class Local:
         return None
 
     def check_same_model(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                         options: PipelineOptions) -> None:
+                         options: PipelineOptions, training: TrainingOptions | None = None) -> None:
         return None
 
     def decide(self, fn: Callable[[], T]) -> T:
@@ -135,6 +142,9 @@ class Local:
 
     def share_loss(self, loss: torch.Tensor | None, device: torch.device, step: int) -> torch.Tensor | None:
         return loss
+
+    def all_reduce(self, tensor: torch.Tensor, op: str, over: str, what: str) -> None:
+        _check_reduce(op, over)
 
     def failure_note(self, step: int) -> str:
         return ""
@@ -190,15 +200,19 @@ class Distributed:
                 f"{missing_note(event, self.world, what)} Cause: {e}"
             ) from e.__cause__
 
-    def _settings(self, options: PipelineOptions) -> dict[str, Any]:
-        """The options every rank must share: they shape the cut, the messages and the gradient buckets."""
+    def _settings(self, options: PipelineOptions, training: TrainingOptions | None) -> dict[str, Any]:
+        """The options every rank must share: they shape the cut, the messages, the gradient buckets and the
+        collectives of the update (loss scaling, clipping)."""
         keys = ("microbatches", "stages", "schedule", "batchnorm", "depth")
+        training = training if training is not None else TrainingOptions()
+        steps = ("precision", "channels_last", "compile", "clip_grad_norm", "recompute")
         return {"dp": self.layout.dp, "pp": self.pp, "bucket_bytes": self.options.bucket_bytes,
-                "reduce_dtype": self.options.reduce_dtype, **{k: getattr(options, k) for k in keys}}
+                "reduce_dtype": self.options.reduce_dtype, **{k: getattr(options, k) for k in keys},
+                **{k: getattr(training, k) for k in steps}}
 
     def check_same_model(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                         options: PipelineOptions) -> None:
-        signature = model_signature(model, optimizer, self._settings(options))
+                         options: PipelineOptions, training: TrainingOptions | None = None) -> None:
+        signature = model_signature(model, optimizer, self._settings(options, training))
         with self._collective("comparing the model across ranks in wrap()"):
             check_same_model(signature, self.layout)
 
@@ -234,6 +248,18 @@ class Distributed:
     def share_loss(self, loss: torch.Tensor | None, device: torch.device, step: int) -> torch.Tensor | None:
         return share_loss(loss, self.layout, device, step) if self.pp > 1 else loss
 
+    def all_reduce(self, tensor: torch.Tensor, op: str, over: str, what: str) -> None:
+        _check_reduce(op, over)
+        group = self.layout.pp_group if over == "pipeline" else self.layout.everyone
+        if (self.pp if over == "pipeline" else self.world) == 1:
+            return
+        try:
+            all_reduce(tensor, op, group, self.layout.timeout)
+        except DistributedError as e:
+            over_what = "the pipeline ranks" if over == "pipeline" else "all ranks"
+            raise DistributedError(f"{what} over {over_what} failed (this is rank {self.rank}): a peer died or "
+                                   f"hung. Cause: {e}") from e.__cause__
+
     def failure_note(self, step: int) -> str:
         return missing_note(step, self.world)
 
@@ -260,6 +286,11 @@ class Distributed:
             return path
         stem, suffix = os.path.splitext(path)
         return f"{stem}.rank{self.rank}{suffix}"
+
+
+def _check_reduce(op: str, over: str) -> None:
+    if op not in ("sum", "max") or over not in ("pipeline", "world"):
+        raise ValueError(f"all_reduce takes op 'sum' or 'max' over 'pipeline' or 'world', got {op!r} over {over!r}")
 
 
 def communicator(options: DataParallelOptions) -> Communicator:

@@ -23,7 +23,7 @@ from .checks import positive_int, positive_number
 
 __all__ = [
     "Layout", "resolve_layout", "check_backend", "missing_ranks", "missing_note", "DistributedError",
-    "DEFAULT_TIMEOUT_S", "timed", "gather_objects", "broadcast_object", "barrier",
+    "DEFAULT_TIMEOUT_S", "timed", "gather_objects", "broadcast_object", "barrier", "all_reduce",
 ]
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -253,3 +253,29 @@ def barrier(group: Any, timeout: datetime.timedelta) -> None:
     """Wait until every member of ``group`` got here (at most ``timeout``)."""
     token = torch.zeros(1, device=_wire(group))
     timed(lambda: dist.all_reduce(token, group=group, async_op=True), timeout)
+
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX} if dist.is_available() else {}
+
+
+def all_reduce(tensor: torch.Tensor, op: str, group: Any, timeout: datetime.timedelta) -> None:
+    """``tensor`` summed (``op="sum"``) or maximised (``"max"``) in place over ``group``.
+
+    It travels on the group's wire device (a copy there and back when it
+    lives elsewhere). On NCCL the wait is device-side, so a step stays free
+    of host syncs; elsewhere the host waits at most ``timeout``.
+    """
+    if op not in _OPS:
+        raise ValueError(f"op must be one of {tuple(_OPS)}, got {op!r}")
+    wire = _wire(group)
+    buf = tensor if tensor.device == wire else tensor.to(wire)
+    try:
+        work = dist.all_reduce(buf, op=_OPS[op], group=group, async_op=True)
+        if buf.is_cuda:
+            work.wait()
+        else:
+            work.wait(timeout)
+    except RuntimeError as e:
+        raise DistributedError(f"a collective failed or ran past {timeout.total_seconds():g} s: {e}") from e
+    if buf is not tensor:
+        tensor.copy_(buf)

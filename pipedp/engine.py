@@ -19,33 +19,27 @@ from torch import nn
 
 from . import checkpoint
 from .atomic import require_folder
-from .build import Pipeline, build_pipeline
+from .build import Pipeline, build_pipeline, in_layout, sample_batch
 from .comm import communicator
 from .device import resolve_devices
 from .distributed import Layout
 from .ops.swap import swap_depthwise
 from .optimizer import OptimizerSpec, check_optimizer, move_optimizer_state
-from .options import DataParallelOptions, KernelOptions, PipelineOptions
+from .options import DataParallelOptions, KernelOptions, PipelineOptions, TrainingOptions
 from .pipeline import microbatch
 from .pipeline.executor import Executor, StepTimer
 from .pipeline.gradsync import SyncStats
 from .pipeline.trace import Clock
 from .plan import Plan
+from .precision import LossScaler
 from .restore import check_checkpoint, undo_on_failure
 from .snapshot import rng_state, set_rng_state
 from .step import LossFn, StepRunner
+from .update import GradientStep
 
 __all__ = ["Engine"]
 
 CHECKPOINT_FORMAT = 2
-
-
-def _sample_batch(model: nn.Module, sample: torch.Tensor | Sequence[int]) -> torch.Tensor:
-    """``sample`` itself, or a random batch of that shape in the model's dtype."""
-    if isinstance(sample, torch.Tensor):
-        return sample
-    p = next(model.parameters(), None)
-    return torch.randn(tuple(int(v) for v in sample), dtype=p.dtype if p is not None else torch.float32)
 
 
 class Engine:
@@ -56,7 +50,7 @@ class Engine:
             or an fx-traceable chain); it stays the same object (``engine.module``).
         optimizer: an optimizer built on ``model.parameters()``, or a factory.
         loss_fn: ``loss_fn(output, target) -> scalar`` with a mean reduction.
-        pipeline, data_parallel, kernels: the option groups (defaults when None).
+        pipeline, data_parallel, kernels, training: the option groups (defaults when None).
         sample: a batch (or its shape) to plan with now; else the first batch.
     """
 
@@ -69,6 +63,7 @@ class Engine:
         pipeline: PipelineOptions | None = None,
         data_parallel: DataParallelOptions | None = None,
         kernels: KernelOptions | None = None,
+        training: TrainingOptions | None = None,
         sample: torch.Tensor | Sequence[int] | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -76,6 +71,7 @@ class Engine:
         self.module = model
         self.options = opts = pipeline if pipeline is not None else PipelineOptions()
         kopts = kernels if kernels is not None else KernelOptions()
+        self.training_options = topts = training if training is not None else TrainingOptions()
         self.devices = resolve_devices(model, opts.devices)
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable (output, target) -> scalar, got {type(loss_fn).__name__}")
@@ -83,12 +79,19 @@ class Engine:
         self.optimizer = check_optimizer(model, optimizer)
         self.comm = communicator(data_parallel if data_parallel is not None else DataParallelOptions())
         self.comm.check(self.devices, opts.cuda_graph)
-        self.comm.check_same_model(model, self.optimizer, opts)
+        self.comm.check_same_model(model, self.optimizer, opts, topts)
+        if opts.cuda_graph and topts.precision == "fp16":
+            raise ValueError(
+                "precision='fp16' with cuda_graph=True is not supported yet: its loss scaling decides on the host "
+                "whether to skip a step with inf/NaN gradients. Use precision='bf16' (no loss scaling) with "
+                "cuda_graph=True, or cuda_graph=False"
+            )
         if opts.cuda_graph and (len(self.devices) != 1 or self.devices[0].type != "cuda"):
             raise ValueError(
                 f"cuda_graph=True needs all stages on one CUDA device, got devices "
                 f"{[str(d) for d in self.devices]}: pass devices='cuda' or cuda_graph=False"
             )
+        self.scaler = LossScaler() if topts.precision == "fp16" else None  # fp16 loss scaling
         self.steps = 0
         self._pipe: Pipeline | None = None
         self._runner: StepRunner | None = None
@@ -99,7 +102,7 @@ class Engine:
         self.kernel_layers = swap.count
         if sample is not None:
             try:  # a wrap that fails leaves the user's model as it was: its depthwise layers too
-                self._build(_sample_batch(model, sample))
+                self._build(sample_batch(model, sample))
             except BaseException:
                 swap.undo()
                 raise
@@ -122,7 +125,8 @@ class Engine:
         return self._pipe.executor if self._pipe is not None else None
 
     def _build(self, batch: torch.Tensor) -> Pipeline:
-        pipe = self._pipe = build_pipeline(self.module, batch, self.options, self.devices, self.comm, step=self.steps)
+        pipe = self._pipe = build_pipeline(self.module, batch, self.options, self.devices, self.comm, step=self.steps,
+                                           training=self.training_options)
         self._plan = pipe.plan
         if self.optimizer is not None:
             move_optimizer_state(self.optimizer)
@@ -133,7 +137,8 @@ class Engine:
             raise RuntimeError("train_step needs wrap(..., optimizer=..., loss_fn=...)")
         if self._runner is None:
             pipe = self._pipe if self._pipe is not None else self._build(x)
-            self._runner = StepRunner(self.module, pipe, self.optimizer, self.loss_fn, self.comm, self.options)
+            grads = GradientStep.of(pipe.executor.stages, self.comm, self.scaler, self.training_options.clip_grad_norm)
+            self._runner = StepRunner(self.module, pipe, self.optimizer, self.loss_fn, self.comm, self.options, grads)
         return self._runner
 
     # -- public API -----------------------------------------------------------------------------
@@ -184,7 +189,7 @@ class Engine:
         runner = self._runner_for(x)
         ex = runner.pipe.executor
         if ex.is_first:
-            x = x.to(ex.stages[0].device, non_blocking=True)
+            x = in_layout(x.to(ex.stages[0].device, non_blocking=True), self.training_options)
         if ex.is_last:
             y = y.to(ex.stages[-1].device, non_blocking=True)
         trace_path, self._trace_path = self._trace_path, None
@@ -219,7 +224,7 @@ class Engine:
             raise TypeError("engine(x) takes a batched tensor")
         ex = (self._pipe if self._pipe is not None else self._build(x)).executor
         if ex.is_first:
-            x = x.to(ex.stages[0].device, non_blocking=True)
+            x = in_layout(x.to(ex.stages[0].device, non_blocking=True), self.training_options)
         if x.shape[0] < self.microbatches and len(ex.stages) == ex.n:  # too small to pipeline: stages in turn
             for st in ex.stages:
                 x = st(x.to(st.device))
@@ -236,7 +241,7 @@ class Engine:
         return self
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume: model (keys unchanged), optimizer, step, RNG states.
+        """Everything needed to resume: model (keys unchanged), optimizer, step, RNG states (and fp16's loss scale).
 
         Under torch.distributed this is collective (call it on every rank): the
         pipeline ranks' stages are merged into one full model, and every rank's
@@ -244,9 +249,10 @@ class Engine:
         """
         stages = self._pipe.executor.stages if self._pipe is not None else None
         model, optim = self.comm.model_state(self.module, stages, self.optimizer)
-        rng = self.comm.rng_states(rng_state())
-        return {"model": model, "optimizer": optim, "engine": {"steps": self.steps, "format": CHECKPOINT_FORMAT,
-                                                               "rng": rng}}
+        entry = {"steps": self.steps, "format": CHECKPOINT_FORMAT, "rng": self.comm.rng_states(rng_state())}
+        if self.scaler is not None:
+            entry["scaler"] = self.scaler.state_dict()
+        return {"model": model, "optimizer": optim, "engine": entry}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`: model, optimizer, step and this rank's RNG states.
@@ -267,6 +273,8 @@ class Engine:
             if entry.rng is not None and len(entry.rng) == world:
                 set_rng_state(entry.rng[rank])
         self.steps = entry.steps
+        if self.scaler is not None:  # checked above; a checkpoint without one starts from the initial scale
+            self.scaler.load_state_dict(entry.scaler)
         if entry.rng is not None and len(entry.rng) != world:
             warnings.warn(
                 f"the checkpoint holds RNG states of {len(entry.rng)} rank(s), this run has {world}: RNG states "

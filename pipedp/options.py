@@ -1,4 +1,4 @@
-"""The options of an engine, in three small groups that validate themselves when made.
+"""The options of an engine, in four small groups that validate themselves when made.
 
 :func:`pipedp.wrap` takes them as flat keywords; :class:`pipedp.Engine`
 takes the groups, which a user may build, keep and reuse (one
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence, Union
 
 import torch
 
@@ -27,11 +27,13 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
-    "PipelineOptions", "DataParallelOptions", "KernelOptions", "DeviceSpec", "StagesSpec",
-    "BATCHNORM_MODES", "DEFAULT_BUCKET_MB",
+    "PipelineOptions", "DataParallelOptions", "KernelOptions", "TrainingOptions", "DeviceSpec", "StagesSpec",
+    "BATCHNORM_MODES", "DEFAULT_BUCKET_MB", "PRECISIONS", "RecomputeSpec",
 ]
 
 BATCHNORM_MODES = ("microbatch", "batch")
+PRECISIONS = ("fp32", "bf16", "fp16")
+RecomputeSpec = Union[bool, Sequence[int]]
 DEFAULT_BUCKET_MB = DEFAULT_BUCKET_BYTES / 2**20  # DDP's bucket_cap_mb
 
 
@@ -150,3 +152,58 @@ class KernelOptions:
             if not isinstance(self.db, (str, os.PathLike)):
                 raise ValueError(f"kernel_db must be a folder path, got {type(self.db).__name__}")
             object.__setattr__(self, "db", os.fspath(self.db))
+
+
+def _recompute(v: object) -> bool | tuple[int, ...]:
+    if isinstance(v, bool):
+        return v
+    ok = isinstance(v, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in v)
+    if not ok or len(set(v)) != len(v):  # type: ignore[arg-type]
+        raise ValueError(
+            f"recompute must be True, False or a list of distinct stage indices (ints >= 0), got {v!r}"
+        )
+    return tuple(sorted(v))  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class TrainingOptions:
+    """How each step computes: precision, memory format, compilation, gradient clipping, recompute.
+
+    ``precision``: ``"fp32"`` (exact), ``"bf16"`` or ``"fp16"`` mixed precision:
+    every stage's forward and the loss run under ``torch.autocast`` while
+    parameters, gradients and optimizer state stay fp32; ``"fp16"`` also
+    scales the loss and skips a step whose gradients hold inf/NaN, as
+    ``torch.amp.GradScaler`` does (its overflow check reads the host once a step).
+    ``channels_last``: model and batches in channels-last memory format (the
+    layout tensor cores and oneDNN prefer for convolutions). ``compile``:
+    each stage's blocks compiled with ``torch.compile`` (streams and events
+    stay outside; the first steps compile). ``clip_grad_norm``: clip the
+    gradients to this total L2 norm over all parameters (pipeline ranks
+    included), after unscaling, like ``torch.nn.utils.clip_grad_norm_``.
+    ``recompute``: keep only each stage's input and recompute its activations
+    in backward (``torch.utils.checkpoint``): ``True`` for every stage or the
+    indices of the stages to recompute; less memory, one more forward.
+    """
+
+    precision: str = "fp32"
+    channels_last: bool = False
+    compile: bool = False
+    clip_grad_norm: float | None = None
+    recompute: RecomputeSpec = False
+
+    def __post_init__(self) -> None:
+        one_of("precision", self.precision, PRECISIONS)
+        for name in ("channels_last", "compile"):
+            _flag(name, getattr(self, name))
+        if self.clip_grad_norm is not None:
+            object.__setattr__(self, "clip_grad_norm", positive_number("clip_grad_norm", self.clip_grad_norm))
+        object.__setattr__(self, "recompute", _recompute(self.recompute))
+
+    def recomputes(self, stage: int) -> bool:
+        """Whether stage ``stage`` (its index in the whole pipeline) recomputes its activations."""
+        return self.recompute is True or (not isinstance(self.recompute, bool) and stage in self.recompute)
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The dtype stages compute in under autocast (None: fp32, no autocast)."""
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)

@@ -4,8 +4,8 @@
 the ones that do not, and an optimizer accepts the state of another
 optimizer kind and fails only at its next step. So a checkpoint is first
 checked against the engine it goes into — model keys and shapes, the
-optimizer's kind and parameter counts, the engine entry and every RNG
-state — and only then applied; if applying still fails, everything it
+optimizer's kind and parameter counts, the engine entry, every RNG
+state and the fp16 loss scale — and only then applied; if applying still fails, everything it
 touched is put back (:func:`undo_on_failure`).
 """
 
@@ -19,6 +19,7 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch import nn
 
+from .precision import check_scaler_state
 from .snapshot import rng_state, set_rng_state
 
 __all__ = ["EngineEntry", "check_checkpoint", "undo_on_failure"]
@@ -33,6 +34,7 @@ class EngineEntry:
 
     steps: int
     rng: list[dict[str, Any]] | None  # one per rank, by global rank
+    scaler: dict[str, Any] | None = None  # fp16 loss scaling's state (None: saved in another precision)
 
 
 def _some(names: list[str]) -> str:
@@ -132,9 +134,10 @@ def check_checkpoint(state: Any, module: nn.Module, optimizer: torch.optim.Optim
         raise ValueError(f"the checkpoint is in format {fmt!r}, this pipedp reads up to {newest_format}: "
                          f"upgrade pipedp to load it")
     rng = _check_rng(entry.get("rng"))
+    scaler = check_scaler_state(entry.get("scaler"))
     _check_model(module, state["model"])
     _check_optimizer(optimizer, state["optimizer"])
-    return EngineEntry(steps=steps, rng=rng)
+    return EngineEntry(steps=steps, rng=rng, scaler=scaler)
 
 
 @contextlib.contextmanager

@@ -6,7 +6,10 @@ batch) followed by the same optimizer step. If anything fails, buffers are
 put back and gradients cleared, so parameters, optimizer state and BatchNorm
 statistics are as before the step; a failure inside ``optimizer.step()``
 itself (which may have updated some parameters, or created state, before
-it raised) is undone from a copy taken just before it (``rollback``). With a
+it raised) is undone from a copy taken just before it (``rollback``).
+Between the last backward and the update, gradients are unscaled (fp16),
+checked for overflow (a step with inf/NaN gradients skips the update, as
+``GradScaler`` does) and clipped (:class:`~pipedp.update.GradientStep`). With a
 CUDA graph the whole step is captured after two eager steps of the same
 signature and replayed; a traced step always runs eagerly (a graph would
 hide its inside).
@@ -29,6 +32,7 @@ from .pipeline.graphed import StepGraph, hyper_signature
 from .pipeline.stream import current_lane
 from .pipeline.trace import step_spans, write_trace
 from .snapshot import UpdateSnapshot
+from .update import GradientStep
 
 __all__ = ["StepRunner", "LossFn"]
 
@@ -39,9 +43,10 @@ class StepRunner:
     """Runs training steps of ``pipe`` for ``model`` with ``optimizer`` and ``loss_fn``."""
 
     def __init__(self, model: nn.Module, pipe: Pipeline, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
-                 comm: Communicator, options: PipelineOptions) -> None:
+                 comm: Communicator, options: PipelineOptions, grads: GradientStep | None = None) -> None:
         self.model, self.pipe, self.optimizer, self.loss_fn = model, pipe, optimizer, loss_fn
         self.comm, self.microbatches = comm, options.microbatches
+        self.grads = grads if grads is not None else GradientStep((), comm)
         self.graph = StepGraph(self.graph_body) if options.cuda_graph else None
         self.before_update = UpdateSnapshot(optimizer) if options.rollback else None
         self.updates: list[tuple] = []  # the last traced step's optimizer marks
@@ -71,6 +76,7 @@ class StepRunner:
             if self.pipe.sync is not None:
                 self.pipe.sync.wait()
             loss = self.comm.share_loss(loss, self.pipe.executor.stages[-1].device, index)
+            apply = self.grads.prepare(index)
         except DistributedError as e:
             self.recover()
             raise DistributedError(f"{e}{self.comm.failure_note(index)}") from e.__cause__
@@ -80,15 +86,16 @@ class StepRunner:
         clock = timer.clock if timer is not None else None
         devices = self.pipe.executor.devices
         marks = [(d, clock.mark(current_lane(d))) for d in devices] if clock is not None else []
-        if self.before_update is not None:
+        if self.before_update is not None and apply:
             self.before_update.save()
         try:
-            self._update()
+            self._update(apply)
         except BaseException:
-            if self.before_update is not None:
+            if self.before_update is not None and apply:
                 self.before_update.restore()
             self.recover()
             raise
+        self.grads.finish()
         if clock is not None:
             assert timer is not None
             self.updates = [(d, m, clock.mark(current_lane(d))) for d, m in marks]
@@ -109,16 +116,21 @@ class StepRunner:
         weights = microbatch.shares([t.shape[0] for t in xs])
         if self.pipe.batchnorm is not None:
             self.pipe.batchnorm.begin()
-        return self.pipe.executor.train(xs, ys, weights, self.loss_fn, timer, sync=self.pipe.sync)
+        return self.pipe.executor.train(xs, ys, weights, self.loss_fn, timer, sync=self.pipe.sync,
+                                        loss_scale=self.grads.loss_scale)
 
-    def _update(self) -> None:
+    def _update(self, apply: bool = True) -> None:
+        """Commit the step's BatchNorm statistics (the forwards ran) and, unless skipped, step the optimizer."""
         if self.pipe.batchnorm is not None:
             self.pipe.batchnorm.commit()
-        self.optimizer.step()
+        if apply:
+            self.optimizer.step()
 
     def graph_body(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """The captured step: forward, backward and update, no host sync."""
+        """The captured step: forward, backward, clipping and update, no host sync (no fp16 loss scaling)."""
+        assert self.grads.scaler is None, "fp16 loss scaling reads the host: it is not captured"
         loss = self._forward_backward(x, y)
+        self.grads.prepare(0)
         self._update()
         assert loss is not None
         return loss

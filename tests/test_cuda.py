@@ -297,3 +297,86 @@ def test_trace_of_a_graphed_engine_has_device_times_per_stream(tmp_path):
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] in stage]
     assert sorted(e["name"] for e in spans) == sorted(f"{k}{i}" for k in "FB" for i in range(3) for _ in range(2))
     assert all(e["dur"] > 0 and e["ts"] >= 0 for e in spans)
+
+
+# -- training options on CUDA (issue 17): mixed precision, channels_last, graphs, compile ------------------------
+AMP_TOL = 1e-3  # bf16/fp16 round to 8/11 bits: a last-bit difference in one kernel moves a parameter by ~1e-4
+
+
+def _amp_reference(model, batches, **kw):
+    from tests.amp_reference import plain_amp_steps
+
+    return plain_amp_steps(model, batches, microbatches=2, device="cuda", **kw)
+
+
+def test_bf16_channels_last_cuda_graph_equals_plain_autocast_training():
+    torch.manual_seed(0)
+    model = resnet18(width=8).cuda()
+    ref = clone(model).to(memory_format=torch.channels_last)
+    batches = cuda_batches(steps=6)
+    engine = wrap(model, stages=3, microbatches=2, cuda_graph=True, precision="bf16", channels_last=True,
+                  clip_grad_norm=1.0)
+    losses = [engine.train_step(x, y) for x, y in batches]  # NCHW batches: the engine converts them
+    assert engine._runner.graph.captures == 1 and engine._runner.graph.replays == 4
+    assert model.conv1.weight.is_contiguous(memory_format=torch.channels_last)
+    expected = _amp_reference(ref, [(x.contiguous(memory_format=torch.channels_last), y) for x, y in batches],
+                              dtype=torch.bfloat16, clip=1.0)
+    assert max_diff(model, ref) <= AMP_TOL
+    assert all(abs(a.item() - e["loss"].item()) <= AMP_TOL for a, e in zip(losses, expected))
+
+
+def test_fp16_loss_scaling_on_cuda_equals_grad_scaler():
+    torch.manual_seed(0)
+    model = resnet18(width=8).cuda()
+    ref = clone(model)
+    batches = cuda_batches(steps=4)
+    engine = wrap(model, stages=2, microbatches=2, precision="fp16")
+    for x, y in batches:
+        engine.train_step(x, y)
+    scaler = torch.amp.GradScaler("cuda")
+    expected = _amp_reference(ref, batches, dtype=torch.float16, scaler=scaler)
+    assert engine.scaler.get_scale() == expected[-1]["scale"]
+    assert max_diff(model, ref) <= AMP_TOL
+
+
+def test_bf16_steps_stay_free_of_host_syncs():
+    model = resnet18(width=8).cuda()
+    engine = wrap(model, stages=3, microbatches=2, precision="bf16", clip_grad_norm=1.0, recompute=True,
+                  measure_steps=0)
+    (x, y), = cuda_batches(steps=1)
+    engine.train_step(x, y)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = engine.train_step(x, y)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(loss).item()
+
+
+def test_recompute_inside_a_cuda_graph_equals_plain_training():
+    # checkpoint's preserve_rng_state reads and sets the CUDA RNG state: inside a capture too.
+    torch.manual_seed(0)
+    model = resnet18(width=8).cuda()
+    ref = clone(model)
+    batches = cuda_batches(steps=5)
+    engine = wrap(model, stages=2, microbatches=2, cuda_graph=True, recompute=True)
+    for x, y in batches:
+        engine.train_step(x, y)
+    assert engine._runner.graph.replays == 3
+    plain_steps(ref, batches, microbatches=2)
+    assert max_diff(model, ref) <= TOL
+
+
+@pytest.mark.slow
+def test_compiled_stages_warm_up_before_the_capture():
+    torch.manual_seed(0)
+    model = sequential_cnn().cuda()
+    ref = clone(model)
+    batches = cuda_batches(n=8, steps=5)
+    engine = wrap(model, stages=2, microbatches=2, cuda_graph=True, compile=True)
+    for x, y in batches:
+        engine.train_step(x, y)
+    assert engine._runner.graph.captures == 1 and engine._runner.graph.replays == 3  # compiled in eager steps 1-2
+    plain_steps(ref, batches, microbatches=2)
+    assert max_diff(model, ref) <= 1e-4  # inductor's fused kernels order sums differently

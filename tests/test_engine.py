@@ -186,6 +186,23 @@ def test_channels_last_passes_through():
     assert max_diff(model, ref) <= TOL
 
 
+def test_channels_last_option_converts_the_model_and_every_batch():
+    torch.manual_seed(0)
+    model = sequential_cnn()
+    ref = clone(model).to(memory_format=torch.channels_last)
+    seen = []
+    model[0].register_forward_pre_hook(lambda m, a: seen.append(a[0].is_contiguous(memory_format=torch.channels_last)))
+    batches = data(n=8, size=8, steps=2)  # contiguous (NCHW) batches
+    engine = engine_for(model, microbatches=2, stages=2, channels_last=True)
+    for x, y in batches:
+        engine.train_step(x, y)
+    assert model[0].weight.is_contiguous(memory_format=torch.channels_last) and seen and all(seen)
+    seen.clear()
+    assert engine(batches[0][0]).shape == (8, 10) and all(seen)  # inference too
+    plain_steps(ref, [(x.contiguous(memory_format=torch.channels_last), y) for x, y in batches], microbatches=1)
+    assert max_diff(model, ref) <= TOL
+
+
 def test_autocast_passes_through():
     torch.manual_seed(0)
     model = sequential_cnn()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import pipedp
-from pipedp import DataParallelOptions, KernelOptions, PipelineOptions
+from pipedp import DataParallelOptions, KernelOptions, PipelineOptions, TrainingOptions
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -47,6 +47,40 @@ def test_kernel_options():
     assert KernelOptions(db=pathlib.Path("/tmp/k")).db == "/tmp/k"
 
 
+@pytest.mark.parametrize("kw, match", [
+    (dict(precision="bf16-mixed"), r"precision must be one of \('fp32', 'bf16', 'fp16'\), got 'bf16-mixed'"),
+    (dict(precision=16), "precision must be one of"),
+    (dict(channels_last=1), "channels_last must be True or False"),
+    (dict(compile="yes"), "compile must be True or False"),
+    (dict(clip_grad_norm=0), "clip_grad_norm must be a positive number"),
+    (dict(clip_grad_norm=float("inf")), "clip_grad_norm must be a positive number"),
+    (dict(recompute=[0, 0]), "recompute must be True, False or a list of distinct stage indices"),
+    (dict(recompute=[-1]), "recompute must be True, False or a list of distinct stage indices"),
+    (dict(recompute="all"), "recompute must be True, False or a list of distinct stage indices"),
+    (dict(recompute=[True]), "recompute must be True, False or a list of distinct stage indices"),
+])
+def test_training_options_reject(kw, match):
+    with pytest.raises(ValueError, match=match):
+        TrainingOptions(**kw)
+
+
+def test_training_options_normalise_and_answer():
+    opts = TrainingOptions(precision="bf16", clip_grad_norm=1, recompute=[2, 0])
+    assert opts.clip_grad_norm == 1.0 and isinstance(opts.clip_grad_norm, float)
+    assert opts.recompute == (0, 2) and hash(opts)  # a frozen value: usable as a key
+    assert [opts.recomputes(s) for s in range(3)] == [True, False, True]
+    assert opts.autocast_dtype is torch.bfloat16 and TrainingOptions(precision="fp16").autocast_dtype is torch.float16
+    assert TrainingOptions().autocast_dtype is None and not TrainingOptions().recomputes(0)
+    assert TrainingOptions(recompute=True).recomputes(7)
+
+
+def test_wrap_passes_the_training_options_to_the_engine():
+    engine = pipedp.wrap(torch.nn.Linear(2, 2), precision="fp16", channels_last=True, clip_grad_norm=2.0,
+                         recompute=[0])
+    assert engine.training_options == TrainingOptions(precision="fp16", channels_last=True, clip_grad_norm=2.0,
+                                                      recompute=(0,))
+
+
 def test_groups_are_frozen_values_with_the_defaults():
     opts = PipelineOptions()
     with pytest.raises(AttributeError):
@@ -63,6 +97,7 @@ def test_wrap_has_a_typed_signature_matching_the_groups():
     assert sig.return_annotation in ("Engine", pipedp.Engine)
     groups = {
         "pipeline": PipelineOptions(), "data_parallel": DataParallelOptions(), "kernels": KernelOptions(),
+        "training": TrainingOptions(),
     }
     flat = {"enabled": "distributed", "mode": "kernels", "db": "kernel_db"}
     for name, group in groups.items():
@@ -70,3 +105,6 @@ def test_wrap_has_a_typed_signature_matching_the_groups():
             key = flat.get(field, field)
             assert key in params, f"wrap() lacks {name}.{field} (as {key})"
             assert params[key].default == getattr(group, field), f"wrap()'s default for {key} differs"
+
+    engine_params = inspect.signature(pipedp.Engine).parameters
+    assert all(name in engine_params for name in groups), "Engine() takes every group"

@@ -14,8 +14,12 @@ compiler) without touching the others:
 - ``target``: compilation targets and the names records give them;
 - ``builder``: config to compiled, loadable kernel (with ``streaming`` and
   ``offline_cuda``); ``runner``: check against torch and time;
+  ``isolated``: both in worker processes with a time limit per candidate;
 - ``cost_model``: the model, its features, the history between problems;
-  ``tuner``: the search;
+  ``tuner``: the search; ``database``: what the records say was measured
+  and tuned (resume);
+- ``remote``: build here, measure there (rounds of candidates measured by
+  ``pipedp.ops.measure`` on a machine without the compiler);
 - ``export``: one library per target; ``cli``: ``tune-kernels``;
 - ``roofline``, ``allocator``: measuring aids.
 """

@@ -17,6 +17,13 @@ Rules, and why:
   as they will in training.
 - CUDA code is compiled to a binary here, GPU or not
   (:mod:`.offline_cuda`), so what is built can be exported and shipped.
+- Kernels take any batch size (a symbolic n, :func:`.ops.compute`), in
+  tuning as in the export: a kernel tuned for a layer serves every batch and
+  microbatch size, and what tuning measured (at the tuned n) is the very code
+  exported. Measured against the same config compiled for a fixed n, at the
+  tuned batch and at a quarter of it, the symbolic kernels ran at the same
+  speed (``experiments/bench_batch.py``, README); ``batch=`` (a fixed size)
+  is kept for that comparison.
 
 :class:`Builder` is what the tuner asks of this part: one config to one
 runnable kernel. :class:`LocalBuilder` builds in this process; a builder in
@@ -38,7 +45,7 @@ from pipedp.ops import parallel
 
 from . import streaming
 from .offline_cuda import ensure_cuda_codegen
-from .ops import DepthwiseConv, compute
+from .ops import DepthwiseConv, batch_var, compute
 from .runner import Kernel
 from .space import Config
 from .target import Target
@@ -77,14 +84,20 @@ def default_symbol(op: str) -> str:
     return f"depthwise_{op}"
 
 
-def schedule(conv: DepthwiseConv, op: str, config: Config, target: Target, symbol: str | None = None) -> s_tir.Schedule:
-    """The scheduled prim func (raises InvalidConfig before any compile work)."""
+def schedule(conv: DepthwiseConv, op: str, config: Config, target: Target, symbol: str | None = None,
+             batch: int | None = None) -> s_tir.Schedule:
+    """The scheduled prim func (raises InvalidConfig before any compile work).
+
+    The config is validated for ``conv`` (the tuned problem); the kernel takes
+    any batch size, or exactly ``batch`` samples when given.
+    """
     layout = layout_of(config)
     tmpl = get_template(target, layout)
     config = tmpl.space(conv, op).complete(config)
     tmpl.validate(conv, op, config)
     symbol = symbol or default_symbol(op)
-    func = te.create_prim_func(compute(conv, op, layout)).with_attr("global_symbol", symbol)
+    extent = batch_var() if batch is None else batch
+    func = te.create_prim_func(compute(conv, op, layout, extent)).with_attr("global_symbol", symbol)
     sch = s_tir.Schedule(tvm.IRModule({symbol: func}))
     sch.work_on(symbol)
     return tmpl.apply(sch, conv, op, config)
@@ -106,11 +119,13 @@ def compile_module(mod: tvm.IRModule, target: Target, streams: Mapping[str, str]
     return lib
 
 
-def build(conv: DepthwiseConv, op: str, config: Config, target: Target) -> Kernel:
-    """Compile one kernel; the result is callable with torch tensors (inputs..., output)."""
+def build(conv: DepthwiseConv, op: str, config: Config, target: Target, batch: int | None = None) -> Kernel:
+    """Compile one kernel; the result is callable with torch tensors (inputs..., output) of any batch size
+    (exactly ``batch`` when given)."""
     symbol = default_symbol(op)
     out = streamed(op, config)
-    lib = compile_module(schedule(conv, op, config, target).mod, target, {symbol: out} if out else None)
+    sch = schedule(conv, op, config, target, batch=batch)
+    lib = compile_module(sch.mod, target, {symbol: out} if out else None)
     return runnable(lib, symbol, target)
 
 

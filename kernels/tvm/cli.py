@@ -12,9 +12,25 @@ convolution is far faster channels_last there, and so are ours): train with
 ``model.to(memory_format=torch.channels_last)`` and inputs in that format to
 run the NHWC kernels.
 
-Use the shape each layer will see: with pipedp.wrap(microbatches=M) that is
-the microbatch (batch / M). Every measurement is appended to the records as
+An exported kernel serves every batch size of its layer; the shape each
+layer will mostly see is the best one to tune at: with
+pipedp.wrap(microbatches=M) that is the microbatch (batch / M). Every measurement is appended to the records as
 it is made, so Ctrl-C keeps what was measured and still exports it.
+
+A run resumes: kernels the records have tuned with --trials or more are
+skipped (a larger --trials tunes them further, --retune for --trials more),
+a kernel cut short goes on where it stopped, and the cost model starts from
+every measurement of the target in the records. Each candidate is built and measured in a worker process with a
+time limit (--candidate-timeout): one that crashes or hangs is recorded as
+failed and the run goes on.
+
+Build here, measure there (a GPU host without compiler or network):
+
+    tune-kernels --model mobilenet_v2 --input-shape 128,3,32,32 --target cuda --arch sm_90 --remote-round round
+    python -m pipedp.ops.measure round        # on the GPU host: writes round/results.json
+    tune-kernels ... --remote-round round     # the same line again: ingests, builds the next round
+
+until it reports every kernel tuned and exports the library.
 """
 
 from __future__ import annotations
@@ -24,7 +40,6 @@ import importlib.util
 import math
 import os
 import sys
-import time
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -37,8 +52,8 @@ from pipedp.ops.problem import OPS, DepthwiseConv
 from . import allocator  # (stdlib only: no compiler module is imported before the extra is checked)
 
 if TYPE_CHECKING:
+    from .database import Task
     from .target import Target
-    from .tuner import TuneResult
 
 __all__ = ["main", "build_parser", "find_depthwise", "load_model", "parse_input_shape"]
 
@@ -139,6 +154,17 @@ def build_parser() -> argparse.ArgumentParser:
     allocator.add_argument(p)
     p.add_argument("--num-classes", type=int, default=10, help="classes of a zoo model's classifier")
     p.add_argument("--seed", type=int, default=0, help="seed of the search (the same seed proposes the same configs)")
+    p.add_argument("--retune", action="store_true", help="tune kernels the records already have tuned again, for "
+                   "--trials more candidates (without it a kernel tuned with --trials or more is skipped)")
+    p.add_argument("--candidate-timeout", type=float, default=60.0, help="seconds a candidate's build, check and "
+                   "timing may take before it is killed and recorded as hung")
+    p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=True,
+                   help="build and measure each candidate in a worker process, so one that crashes or hangs fails "
+                        "alone (--no-isolate: in this process, no time limit)")
+    p.add_argument("--remote-round", default="off", metavar="DIR",
+                   help="build here, measure there: ingest DIR/results.json if there, write the next round of "
+                        "candidates to DIR for python -m pipedp.ops.measure DIR on the machine that runs the kernels, "
+                        "and export once every kernel is tuned (off: measure here)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="a progress bar of the "
                    "trials")
     return p
@@ -155,17 +181,17 @@ def _main(argv: Sequence[str] | None) -> int:
     ops = _parse_ops(args.ops)
     if args.trials < 1 or args.batch < 1:
         raise ValueError("--trials and --batch must be at least 1")
+    if not args.candidate_timeout > 0:
+        raise ValueError(f"--candidate-timeout {args.candidate_timeout}: give a positive number of seconds")
+    remote = None if args.remote_round == "off" else args.remote_round
+    if remote is not None and args.retune:
+        raise ValueError("--retune does not go with --remote-round: give a larger --trials to tune the kernels "
+                         "further")
     for module in _NEEDS:
         console.require(module, EXTRA, PROG)
     from .target import make_target, target_key
 
-    if args.target == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError("--target cuda measures candidates on the GPU: run where torch sees one")
-        major, minor = torch.cuda.get_device_capability()
-        arch, device = args.arch if args.arch != "auto" else f"sm_{major}{minor}", torch.device("cuda")
-    else:
-        arch, device = None, torch.device("cpu")
+    arch, device = _device(args, remote is not None)
     target = make_target(args.target, arch)
     layouts = _layouts(args.layouts, target)
     key = target_key(target)
@@ -175,78 +201,153 @@ def _main(argv: Sequence[str] | None) -> int:
         return 0
     os.makedirs(args.db, exist_ok=True)
     records_path = os.path.join(args.db, R.RECORDS_FILE)
+    tasks: list[Task] = [(p, op, layout) for p in problems for op in ops for layout in layouts]
     print(f"{len(problems)} distinct depthwise convolution(s) x {len(ops)} op(s) x {'/'.join(layouts)} on {key}; "
           f"records in {records_path}")
+    if remote is not None:
+        return _remote_round(remote, tasks, target, records_path, args)
     if not allocator.measure_with(args.allocator):
         print(f"{PROG}: not glibc; measuring with the allocator as it is", file=sys.stderr)
-    results, torch_us, interrupted = _tune_all(problems, ops, layouts, target, device, records_path, args)
-    from .export import export
-
-    exported = export(args.db, target)
-    _print_table(results, torch_us, device, key)
-    if exported:
-        print(f"exported {len(exported['kernels'])} kernel(s) to {os.path.join(args.db, exported['library'])} "
-              f"(sha256 {exported['sha256'][:16]}...)")
+    interrupted = _tune_all(tasks, target, device, records_path, args)
+    _export(args.db, target, tasks, device)
     return 130 if interrupted else 0
 
 
-_TorchUs = dict[tuple[DepthwiseConv, str], dict[str, float]]
+def _device(args: argparse.Namespace, remote: bool) -> tuple[str | None, torch.device | None]:
+    """The CUDA arch (None for a CPU) and the device candidates are measured on here (None: on another machine)."""
+    if args.target != "cuda":
+        return None, None if remote else torch.device("cpu")
+    if remote:
+        if args.arch == "auto":
+            raise ValueError("--remote-round with --target cuda needs the GPU host's --arch, e.g. sm_90 (there: "
+                             "python -c 'import torch; print(torch.cuda.get_device_capability())')")
+        return args.arch, None
+    if not torch.cuda.is_available():
+        raise RuntimeError("--target cuda measures candidates on the GPU: run where torch sees one, or build rounds "
+                           "here and measure them there with --remote-round DIR")
+    major, minor = torch.cuda.get_device_capability()
+    return (args.arch if args.arch != "auto" else f"sm_{major}{minor}"), torch.device("cuda")
 
 
-def _tune_all(problems: list[DepthwiseConv], ops: list[str], layouts: list[str], target: Target,
-              device: torch.device, records_path: str,
-              args: argparse.Namespace) -> tuple[list[TuneResult], _TorchUs, bool]:
-    """Tune every (problem, op, layout), appending each good measurement to the records as it is made.
+def _export(db: str, target: Target, tasks: list[Task], device: torch.device | None) -> None:
+    """Export the best kernel of every tuned problem for ``target``, and print this run's kernels."""
+    from .export import export
+    from .target import target_key
 
-    Returns the results, torch's µs per (problem, op) in both layouts, and
-    whether Ctrl-C cut the run short (what was measured is kept).
+    exported = export(db, target)
+    _print_table(tasks, os.path.join(db, R.RECORDS_FILE), device, target_key(target))
+    if exported:
+        print(f"exported {len(exported['kernels'])} kernel(s) to {os.path.join(db, exported['library'])} "
+              f"(sha256 {exported['sha256'][:16]}...)")
+
+
+def _tune_all(tasks: list[Task], target: Target, device: torch.device, records_path: str,
+              args: argparse.Namespace) -> bool:
+    """Tune every kernel the records do not have tuned (all with --retune), appending each candidate as measured.
+
+    Returns whether Ctrl-C cut the run short (what was measured is kept,
+    and the next run resumes the kernel it was tuning).
     """
     from tqdm import tqdm
 
+    from .builder import LocalBuilder
+    from .database import TuningRecords, measure_record, task_key, tuned_record
     from .export import versions as tool_versions
+    from .isolated import DeferredBuilder, ProcessRunner
+    from .runner import LocalRunner
     from .runner import torch_us as time_torch
     from .target import target_key
-    from .template import layout_of
-    from .tuner import History, Measurement, tune
+    from .tuner import Measurement, TuneResult, tune
 
     key = target_key(target)
-    bar = tqdm(total=len(problems) * len(ops) * len(layouts) * args.trials, disable=not args.progress, unit="trial")
-    torch_us: _TorchUs = {}
-    results: list[TuneResult] = []
+    db = TuningRecords.load(records_path)
+    tuned = db.tuned(key, args.trials)
+    todo = tasks if args.retune else [t for t in tasks if task_key(t, key) not in tuned]
+    if len(todo) < len(tasks):
+        print(f"{len(tasks) - len(todo)} of {len(tasks)} kernel(s) already tuned with --trials {args.trials} or more "
+              f"in {records_path}: skipped (a larger --trials tunes them further, --retune again)")
+    history = db.history(key, exclude={task_key(t, key) for t in todo})  # the model's prior, across runs
+    bar = tqdm(total=len(todo) * args.trials, disable=not args.progress, unit="trial")
+    torch_us: dict[tuple[DepthwiseConv, str], dict[str, float]] = {}
     versions = tool_versions()
-    history = History()  # what each template's knobs did on the model's earlier shapes
+    runner = ProcessRunner(timeout=args.candidate_timeout, reuse_memory=args.allocator == "reuse") \
+        if args.isolate else LocalRunner()
+    builder = DeferredBuilder() if args.isolate else LocalBuilder()
+
+    def baseline(prob: DepthwiseConv, op: str) -> dict[str, float]:
+        """Torch's µs in both layouts, timed once per (problem, op), when a first candidate of it succeeds."""
+        if (prob, op) not in torch_us:
+            torch_us[(prob, op)] = {"nchw": time_torch(prob, op, device, channels_last=False),
+                                    "nhwc": time_torch(prob, op, device, channels_last=True)}
+        return torch_us[(prob, op)]
+
     try:
-        for prob in problems:
-            for op in ops:
-                base = {"nchw": time_torch(prob, op, device, channels_last=False),
-                        "nhwc": time_torch(prob, op, device, channels_last=True)}
-                torch_us[(prob, op)] = base
+        for task in todo:
+            prob, op, layout = task
 
-                def on_measure(m: Measurement, r: TuneResult, prob: DepthwiseConv = prob, op: str = op,
-                               base: dict[str, float] = base) -> None:
-                    bar.update(1)
-                    if math.isfinite(m.us):
-                        R.append(records_path, {
-                            "kind": "measure", "op": op, "problem": prob.key(), "layout": layout_of(m.config),
-                            "target": key,
-                            "config": m.config, "us": m.us, "torch_us": base, "versions": versions,
-                            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                        })
-                    best = r.best
-                    bar.set_postfix_str(f"{op} {r.layout} {prob.c}x{prob.h}x{prob.w}/s{prob.stride[0]}: "
-                                        f"{best.us if best else float('nan'):.1f} us")
+            def on_measure(m: Measurement, r: TuneResult, task: Task = task) -> None:
+                bar.update(1)
+                ok = math.isfinite(m.us)
+                extra = {"torch_us": baseline(task[0], task[1]), "versions": versions} if ok else {}
+                R.append(records_path, measure_record(task, key, m, **extra))
+                best = r.best
+                p = task[0]
+                bar.set_postfix_str(f"{task[1]} {task[2]} {p.c}x{p.h}x{p.w}/s{p.stride[0]}: "
+                                    f"{best.us if best else float('nan'):.1f} us")
 
-                for layout in layouts:
-                    before = bar.n
-                    results.append(tune(prob, op, target, device, trials=args.trials, batch=args.batch,
-                                        seed=args.seed, on_measure=on_measure, layout=layout, history=history))
-                    bar.update(args.trials - (bar.n - before))  # an early stop skips the rest
+            earlier = db.measurements(task, key)
+            budget = len(earlier) + args.trials if args.retune else args.trials
+            before = bar.n
+            result = tune(prob, op, target, device, trials=budget, batch=args.batch, seed=args.seed,
+                          on_measure=on_measure, layout=layout, history=history, builder=builder, runner=runner,
+                          resume=earlier)
+            R.append(records_path, tuned_record(task, key, result.measurements, budget))
+            bar.update(max(0, args.trials - (bar.n - before)))  # an early stop or a resumed kernel skips the rest
     except KeyboardInterrupt:
-        print("\ninterrupted: exporting what was measured", file=sys.stderr)
-        return results, torch_us, True
+        print("\ninterrupted: exporting what was measured (the next run resumes)", file=sys.stderr)
+        return True
     finally:
         bar.close()
-    return results, torch_us, False
+        if isinstance(runner, ProcessRunner):
+            runner.close()
+    return False
+
+
+def _remote_round(folder: str, tasks: list[Task], target: Target, records_path: str,
+                  args: argparse.Namespace) -> int:
+    """Ingest the round in ``folder`` if it was measured, then build the next one, or export when all are tuned."""
+    from pipedp.ops.measure import RESULTS, read_manifest
+
+    from . import remote
+    from .target import target_key
+
+    key = target_key(target)
+    state = remote.round_state(folder)
+    if state == "measured":
+        done = remote.ingest(folder, records_path, key)
+        print(f"round {done.round} was ingested before: nothing added" if done.again else
+              f"round {done.round}: {done.measured} candidate(s) measured, {done.failed} failed "
+              f"({', '.join(f'{v} {k}' for k, v in sorted(done.statuses.items()))}), added to {records_path}")
+    elif state == "built" and not remote.ingested(folder, records_path):
+        m = read_manifest(folder)
+        raise RuntimeError(f"{folder} holds round {m['round']} ({len(m['candidates'])} candidates), not measured yet: "
+                           f"run python -m pipedp.ops.measure {folder} where the kernels run and bring "
+                           f"{os.path.join(folder, RESULTS)} back, or delete {folder} to build the round again")
+    built = remote.build_round(folder, tasks, target, records_path, trials=args.trials, batch=args.batch,
+                               seed=args.seed)
+    if built is None:
+        remote.clear(folder)
+        print(f"every kernel is tuned (its --trials measured, or no better for 4 rounds): nothing left to measure "
+              f"in {folder}")
+        _export(args.db, target, tasks, None)
+        return 0
+    n = len(built.manifest["candidates"])
+    print(f"round {built.manifest['round']}: {n} candidate(s) of {built.kernels} kernel(s) in {built.library} "
+          f"({os.path.getsize(built.library) / 1e6:.1f} MB)"
+          + (f"; {built.failed} did not compile (recorded as failed)" if built.failed else ""))
+    print(f"measure it where the kernels run (torch and the TVM runtime suffice), bring {folder}/{RESULTS} back and "
+          f"run this command again:\n  python -m pipedp.ops.measure {folder}")
+    return 0
 
 
 def _layouts(spec: str, target: Target) -> list[str]:
@@ -265,29 +366,40 @@ def _row(cells: list[str], widths: list[int]) -> str:
     return "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
 
 
-def _print_table(results: list[TuneResult], torch_us: _TorchUs, device: torch.device, key: str) -> None:
-    """One row per (problem, op): our best per layout, torch per layout, and best-vs-best speedup."""
+def _print_table(tasks: list[Task], records_path: str, device: torch.device | None, key: str) -> None:
+    """One row per (problem, op): our best per layout, torch per layout, and best-vs-best speedup (from the records,
+    so kernels tuned by earlier runs are shown too)."""
+    from .database import task_key
     from .roofline import bound_us
 
+    best = R.best(R.read(records_path))
     head = ["problem (N,C,H,W k/s/p x mult)", "op", "ours NCHW", "ours NHWC", "torch NCHW", "torch NHWC", "speedup",
             "bw bound us"]
     ours: dict[tuple[DepthwiseConv, str], dict[str, float]] = {}
-    for r in results:
-        ours.setdefault((r.problem, r.op), {})[r.layout] = r.best.us if r.best else math.nan
+    base: dict[tuple[DepthwiseConv, str], dict[str, float]] = {}
+    for task in tasks:
+        p, op, layout = task
+        r = best.get(task_key(task, key))
+        ours.setdefault((p, op), {})[layout] = r["us"] if r else math.nan
+        if r and isinstance(r.get("torch_us"), dict):
+            base.setdefault((p, op), r["torch_us"])
     rows = []
     for (p, op), mine in ours.items():
-        base = torch_us[(p, op)]
-        bound = bound_us(p, op, device)
-        best = min((v for v in mine.values() if math.isfinite(v)), default=math.nan)
+        torch_us = base.get((p, op), {})
+        mine_best = min((v for v in mine.values() if math.isfinite(v)), default=math.nan)
+        theirs = min((v for v in torch_us.values() if isinstance(v, (int, float))), default=math.nan)
         rows.append([
             f"{p.n},{p.c},{p.h},{p.w} {p.kernel[0]}x{p.kernel[1]}/s{p.stride[0]}/p{p.padding[0]} x{p.multiplier}",
             op, *(f"{mine[v]:.1f}" if v in mine else "-" for v in ("NCHW", "NHWC")),
-            f"{base['nchw']:.1f}", f"{base['nhwc']:.1f}",
-            f"{min(base.values()) / best:.2f}x" if math.isfinite(best) else "-", f"{bound:.1f}",
+            *(f"{torch_us[v]:.1f}" if isinstance(torch_us.get(v), (int, float)) else "-" for v in ("nchw", "nhwc")),
+            f"{theirs / mine_best:.2f}x" if math.isfinite(mine_best) and math.isfinite(theirs) else "-",
+            f"{bound_us(p, op, device):.1f}" if device is not None else "-",
         ])
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows, strict=True)]
+    where = (f"on {device.type} ({'HBM' if device.type == 'cuda' else 'timed at their size'})" if device is not None
+             else "(not timed: the kernels were measured on another machine)")
     print(f"\n{key}; µs per call; speedup = torch's best layout / our best layout; bw bound = a copy of the "
-          f"operands' bytes on {device.type} ({'HBM' if device.type == 'cuda' else 'timed at their size'})")
+          f"operands' bytes {where}")
     print(_row(head, widths))
     for row in rows:
         print(_row(row, widths))

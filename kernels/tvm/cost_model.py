@@ -17,7 +17,9 @@ Rules, and why:
   template's knobs do carries over between them (streaming stores pay for
   large outputs, a pixel-order grad-weight for many channels), so the next
   problem's model starts from them and steers its first batch too
-  (transfer learning, as AutoTVM does across tasks).
+  (transfer learning, as AutoTVM does across tasks). A run's history starts
+  from every measurement of its target in the records
+  (:meth:`.database.TuningRecords.history`), so it carries across runs too.
 - xgboost's core API only (no scikit-learn), one thread, a fixed seed: the
   same measurements give the same model and so the same proposals.
 """

@@ -14,10 +14,14 @@ weights is one load too. Forward and grad-input share one template:
 Padding is inlined: its test depends on (h, w) only, so it is one scalar
 branch per vector. Outputs too large to stay in cache can be written with
 streaming stores (``stream``, with the tile accumulated locally so each
-output vector is stored once; see :mod:`.streaming`).
+output vector is stored once; see :mod:`.streaming`); the knob is offered by
+the output's size at the tuned batch, and a kernel that streams does so at
+every batch size it runs at.
 
 Grad-weight splits n into ``nsplit`` partial sums (rfactor) for parallelism
-and sweeps (n, h, w) in one of two orders:
+(``nsplit`` divides the tuned batch; at any other batch size the kernel
+takes, each split gets ceil(n / nsplit) samples and the last ones fewer or
+none, a predicate TVM adds) and sweeps (n, h, w) in one of two orders:
 
     order=channel                                order=pixel
     parallel  fuse(n_outer, c_outer)             parallel  n_outer

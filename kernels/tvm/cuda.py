@@ -3,7 +3,7 @@
 Forward and grad-input (same loop nest; grad-input also reduces over the
 multiplier):
 
-    blockIdx.x   fuse(planes / tile_c, rows / block_h, cols / block_w)     -- level 1: block tile
+    blockIdx.x   fuse(n, channels / tile_c, rows / block_h, cols / block_w)  -- level 1: block tile
       shared     the block's padded input tile and its filters            -- loaded cooperatively
       threadIdx.z  tile_c planes
       vthread.y, vthread.x  (vt_h, vt_w)                                   -- level 2: virtual threads
@@ -12,6 +12,10 @@ multiplier):
             (ih, iw) outputs per thread, accumulated in registers
 
     block_h = vt_h * th * ih,  block_w = vt_w * tw * iw
+
+A block's tile lies within one sample: the batch is only ever the outermost
+block index, so a kernel compiled for any batch size (a symbolic n) stages
+the same shared-memory tile, and TVM's bounds for it never involve n.
 
 A virtual thread interleaves its outputs with the other threads' instead of
 taking a contiguous run, so neighbouring threads of a warp read neighbouring
@@ -93,6 +97,10 @@ class CudaTemplate:
         memory within the per-block limit."""
         self.space(conv, op).check(config)
         if op == "wgrad":
+            smem = 4 * config["threads"] * conv.kernel[0] * conv.kernel[1]  # every thread's fp32 partial sums
+            if smem > MAX_SHARED:
+                raise InvalidConfig(f"{config['threads']} threads' partial sums of {conv.kernel} taps are {smem} bytes "
+                                    f"of shared memory per block: at most {MAX_SHARED}")
             return
         threads = config["tile_c"] * config["th"] * config["tw"]
         if threads > MAX_THREADS or threads < 32:
@@ -101,9 +109,9 @@ class CudaTemplate:
         bh, bw = _block_tile(config)
         if bh > 2 * h or bw > 2 * w:
             raise InvalidConfig(f"block tile {bh}x{bw} is more than twice the {h}x{w} output: threads would idle")
-        planes = conv.n * (conv.c if op == "dgrad" else conv.out_channels)
+        planes = conv.c if op == "dgrad" else conv.out_channels
         if config["tile_c"] > planes:
-            raise InvalidConfig(f"tile_c={config['tile_c']} exceeds the {planes} planes")
+            raise InvalidConfig(f"tile_c={config['tile_c']} exceeds the {planes} channels of a sample")
         smem = shared_bytes(conv, op, config)
         if smem > MAX_SHARED:
             raise InvalidConfig(f"{smem} bytes of shared memory per block: at most {MAX_SHARED}")
@@ -157,12 +165,11 @@ def _own_loops(sch: s_tir.Schedule, block: s_tir.SBlockRV, at: s_tir.LoopRV) -> 
 def _conv_like(sch: s_tir.Schedule, conv: DepthwiseConv, op: str, cfg: Config) -> None:
     out = sch.get_sblock("y" if op == "fwd" else "dx")
     n, c, i, j, *taps = sch.get_loops(out)
-    nc = sch.fuse(n, c)
-    bo, tz = sch.split(nc, [None, cfg["tile_c"]])
+    co, tz = sch.split(c, [None, cfg["tile_c"]])
     io, vy, ty, iy = sch.split(i, [None, cfg["vt_h"], cfg["th"], cfg["ih"]])
     jo, vx, tx, ix = sch.split(j, [None, cfg["vt_w"], cfg["tw"], cfg["iw"]])
-    sch.reorder(bo, io, jo, tz, vy, vx, ty, tx, *taps, iy, ix)
-    block = sch.fuse(bo, io, jo)
+    sch.reorder(n, co, io, jo, tz, vy, vx, ty, tx, *taps, iy, ix)
+    block = sch.fuse(n, co, io, jo)
     sch.bind(block, "blockIdx.x")
     sch.bind(tz, "threadIdx.z")
     sch.bind(vy, "vthread.y")

@@ -15,6 +15,12 @@ need not be square. The three operators:
 Padding is its own stage (``pad`` / ``dy_pad``) so a schedule can inline it
 or compute it per plane; the reductions are named ``r``, ``s`` (and ``m``,
 ``n``, ``i``, ``j``) so schedules can address them.
+
+The batch extent can be symbolic (``compute(..., batch=batch_var())``): the
+kernel then takes any n, read from its tensors' shapes at each call, so one
+kernel tuned for a layer serves every batch and microbatch size. Everything
+else stays a constant, so the loops within a sample compile as they would
+for a fixed batch.
 """
 
 from __future__ import annotations
@@ -26,19 +32,30 @@ from tvm import te, tirx
 from pipedp.ops.layout import LAYOUTS
 from pipedp.ops.problem import OPS, DepthwiseConv
 
-__all__ = ["DepthwiseConv", "OPS", "LAYOUTS", "compute"]
+__all__ = ["DepthwiseConv", "OPS", "LAYOUTS", "compute", "batch_var", "Batch"]
+
+Batch = Any  # the batch extent: the problem's n, or a symbolic ``tirx.Var``
 
 
 def _zero(dtype: str) -> Any:
     return tirx.const(0.0, dtype)
 
 
-def _padded_input(conv: DepthwiseConv, x: te.Tensor) -> te.Tensor:
+def batch_var() -> tirx.Var:
+    """A symbolic batch extent (int32: the index arithmetic stays 32-bit, as for a fixed batch that fits)."""
+    return te.var("n", "int32")
+
+
+def _shape(batch: Batch, nchw: tuple[int, ...]) -> tuple[Any, ...]:
+    return (batch, *nchw[1:])
+
+
+def _padded_input(conv: DepthwiseConv, x: te.Tensor, batch: Batch) -> te.Tensor:
     (ph, pw), (h, w) = conv.padding, (conv.h, conv.w)
     if ph == 0 and pw == 0:
         return x
     return te.compute(
-        (conv.n, conv.c, h + 2 * ph, w + 2 * pw),
+        (batch, conv.c, h + 2 * ph, w + 2 * pw),
         lambda n, c, i, j: tirx.if_then_else(
             tirx.all(i >= ph, i < h + ph, j >= pw, j < w + pw), x[n, c, i - ph, j - pw], _zero(conv.dtype)
         ),
@@ -46,25 +63,25 @@ def _padded_input(conv: DepthwiseConv, x: te.Tensor) -> te.Tensor:
     )
 
 
-def forward(conv: DepthwiseConv) -> list[te.Tensor]:
+def forward(conv: DepthwiseConv, batch: Batch) -> list[te.Tensor]:
     s = conv.shapes()
-    x = te.placeholder(s["x"], conv.dtype, name="x")
+    x = te.placeholder(_shape(batch, s["x"]), conv.dtype, name="x")
     w = te.placeholder(s["w"], conv.dtype, name="w")
-    pad = _padded_input(conv, x)
+    pad = _padded_input(conv, x, batch)
     (kh, kw), (sh, sw), (dh, dw), m = conv.kernel, conv.stride, conv.dilation, conv.multiplier
     r = te.reduce_axis((0, kh), name="r")
     q = te.reduce_axis((0, kw), name="s")
     y = te.compute(
-        s["y"],
+        _shape(batch, s["y"]),
         lambda n, o, i, j: te.sum(pad[n, o // m, i * sh + r * dh, j * sw + q * dw] * w[o, 0, r, q], axis=[r, q]),
         name="y",
     )
     return [x, w, y]
 
 
-def grad_input(conv: DepthwiseConv) -> list[te.Tensor]:
+def grad_input(conv: DepthwiseConv, batch: Batch) -> list[te.Tensor]:
     s = conv.shapes()
-    dy = te.placeholder(s["y"], conv.dtype, name="dy")
+    dy = te.placeholder(_shape(batch, s["y"]), conv.dtype, name="dy")
     w = te.placeholder(s["w"], conv.dtype, name="w")
     (kh, kw), (sh, sw), (ph, pw), (dh, dw), m = conv.kernel, conv.stride, conv.padding, conv.dilation, conv.multiplier
     oh, ow = conv.out_hw
@@ -76,13 +93,13 @@ def grad_input(conv: DepthwiseConv) -> list[te.Tensor]:
         return tirx.if_then_else(inside, dy[n, o, a // sh, b // sw], _zero(conv.dtype))
 
     dy_pad = te.compute(
-        (conv.n, conv.out_channels, conv.h + (kh - 1) * dh, conv.w + (kw - 1) * dw), dy_at, name="dy_pad"
+        (batch, conv.out_channels, conv.h + (kh - 1) * dh, conv.w + (kw - 1) * dw), dy_at, name="dy_pad"
     )
     mm = te.reduce_axis((0, m), name="m")
     r = te.reduce_axis((0, kh), name="r")
     q = te.reduce_axis((0, kw), name="s")
     dx = te.compute(
-        s["x"],
+        _shape(batch, s["x"]),
         lambda n, c, i, j: te.sum(
             dy_pad[n, c * m + mm, i + r * dh, j + q * dw] * w[c * m + mm, 0, kh - 1 - r, kw - 1 - q], axis=[mm, r, q]
         ),
@@ -91,14 +108,14 @@ def grad_input(conv: DepthwiseConv) -> list[te.Tensor]:
     return [dy, w, dx]
 
 
-def grad_weight(conv: DepthwiseConv) -> list[te.Tensor]:
+def grad_weight(conv: DepthwiseConv, batch: Batch) -> list[te.Tensor]:
     s = conv.shapes()
-    x = te.placeholder(s["x"], conv.dtype, name="x")
-    dy = te.placeholder(s["y"], conv.dtype, name="dy")
-    pad = _padded_input(conv, x)
+    x = te.placeholder(_shape(batch, s["x"]), conv.dtype, name="x")
+    dy = te.placeholder(_shape(batch, s["y"]), conv.dtype, name="dy")
+    pad = _padded_input(conv, x, batch)
     (sh, sw), (dh, dw), m = conv.stride, conv.dilation, conv.multiplier
     oh, ow = conv.out_hw
-    rn = te.reduce_axis((0, conv.n), name="n")
+    rn = te.reduce_axis((0, batch), name="n")
     ri = te.reduce_axis((0, oh), name="i")
     rj = te.reduce_axis((0, ow), name="j")
     acc = "float32"
@@ -115,17 +132,19 @@ def grad_weight(conv: DepthwiseConv) -> list[te.Tensor]:
     return [x, dy, dw_]
 
 
-def compute(conv: DepthwiseConv, op: str, layout: str = "NCHW") -> list[te.Tensor]:
+def compute(conv: DepthwiseConv, op: str, layout: str = "NCHW", batch: Batch | None = None) -> list[te.Tensor]:
     """Placeholders and output of operator ``op`` ("fwd", "dgrad" or "wgrad"), in call order.
 
     ``layout`` is the activations' layout; weights are always torch's (o, 1, kh, kw).
+    ``batch`` is the batch extent: ``conv.n`` when None, another int, or :func:`batch_var` for any.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r}: one of {LAYOUTS}")
     if op not in OPS:
         raise ValueError(f"unknown operator {op!r}: one of {OPS}")
+    batch = conv.n if batch is None else batch
     if layout == "NHWC":
         from . import ops_nhwc
 
-        return {"fwd": ops_nhwc.forward, "dgrad": ops_nhwc.grad_input, "wgrad": ops_nhwc.grad_weight}[op](conv)
-    return {"fwd": forward, "dgrad": grad_input, "wgrad": grad_weight}[op](conv)
+        return {"fwd": ops_nhwc.forward, "dgrad": ops_nhwc.grad_input, "wgrad": ops_nhwc.grad_weight}[op](conv, batch)
+    return {"fwd": forward, "dgrad": grad_input, "wgrad": grad_weight}[op](conv, batch)

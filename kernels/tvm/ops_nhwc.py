@@ -9,6 +9,8 @@ transposes them to (kh, kw, out_channels) inside the kernel so that a vector
 of weights is one load. Grad-input visits only the taps that reach each
 input pixel (polyphase for strides > 1, see :func:`_phases`). Grad-weight
 reduces into ``dwT`` (kh, kw, o) and writes torch's layout at the end.
+Each operator takes the batch extent (``conv.n`` or a symbolic variable, see
+:func:`.ops.compute`).
 """
 
 from __future__ import annotations
@@ -19,12 +21,19 @@ from tvm import te, tirx
 
 from pipedp.ops.problem import DepthwiseConv
 
+from .ops import Batch
+
 __all__ = ["forward", "grad_input", "grad_weight", "activation_shape"]
 
 
-def activation_shape(nchw: tuple[int, ...]) -> tuple[int, ...]:
+def activation_shape(nchw: tuple[Any, ...]) -> tuple[Any, ...]:
     n, c, h, w = nchw
     return (n, h, w, c)
+
+
+def _act(batch: Batch, nchw: tuple[int, ...]) -> tuple[Any, ...]:
+    """An activation's NHWC shape with ``batch`` samples."""
+    return activation_shape((batch, *nchw[1:]))
 
 
 def _zero(dtype: str) -> Any:
@@ -36,12 +45,12 @@ def _weight_t(conv: DepthwiseConv, w: te.Tensor) -> te.Tensor:
     return te.compute((kh, kw, conv.out_channels), lambda r, q, o: w[o, 0, r, q], name="wT")
 
 
-def _padded(conv: DepthwiseConv, x: te.Tensor) -> te.Tensor:
+def _padded(conv: DepthwiseConv, x: te.Tensor, batch: Batch) -> te.Tensor:
     (ph, pw), (h, w) = conv.padding, (conv.h, conv.w)
     if ph == 0 and pw == 0:
         return x
     return te.compute(
-        (conv.n, h + 2 * ph, w + 2 * pw, conv.c),
+        (batch, h + 2 * ph, w + 2 * pw, conv.c),
         lambda n, i, j, c: tirx.if_then_else(
             tirx.all(i >= ph, i < h + ph, j >= pw, j < w + pw), x[n, i - ph, j - pw, c], _zero(conv.dtype)
         ),
@@ -49,16 +58,16 @@ def _padded(conv: DepthwiseConv, x: te.Tensor) -> te.Tensor:
     )
 
 
-def forward(conv: DepthwiseConv) -> list[te.Tensor]:
+def forward(conv: DepthwiseConv, batch: Batch) -> list[te.Tensor]:
     s = conv.shapes()
-    x = te.placeholder(activation_shape(s["x"]), conv.dtype, name="x")
+    x = te.placeholder(_act(batch, s["x"]), conv.dtype, name="x")
     w = te.placeholder(s["w"], conv.dtype, name="w")
-    pad, wt = _padded(conv, x), _weight_t(conv, w)
+    pad, wt = _padded(conv, x, batch), _weight_t(conv, w)
     (kh, kw), (sh, sw), (dh, dw), m = conv.kernel, conv.stride, conv.dilation, conv.multiplier
     r = te.reduce_axis((0, kh), name="r")
     q = te.reduce_axis((0, kw), name="s")
     y = te.compute(
-        activation_shape(s["y"]),
+        _act(batch, s["y"]),
         lambda n, i, j, o: te.sum(pad[n, i * sh + r * dh, j * sw + q * dw, o // m] * wt[r, q, o], axis=[r, q]),
         name="y",
     )
@@ -83,12 +92,12 @@ def _phases(k: int, s: int, p: int, d: int, size: int, out: int) -> tuple[int, A
     return taps, tap, row, max(0, -low), max(0, high - (out - 1))
 
 
-def grad_input(conv: DepthwiseConv) -> list[te.Tensor]:
+def grad_input(conv: DepthwiseConv, batch: Batch) -> list[te.Tensor]:
     (kh, kw), (sh, sw), (ph, pw), (dh, dw), m = conv.kernel, conv.stride, conv.padding, conv.dilation, conv.multiplier
     if (sh > 1 and dh > 1) or (sw > 1 and dw > 1):
-        return _grad_input_dilated(conv)
+        return _grad_input_dilated(conv, batch)
     s = conv.shapes()
-    dy = te.placeholder(activation_shape(s["y"]), conv.dtype, name="dy")
+    dy = te.placeholder(_act(batch, s["y"]), conv.dtype, name="dy")
     w = te.placeholder(s["w"], conv.dtype, name="w")
     wt = _weight_t(conv, w)
     oh, ow = conv.out_hw
@@ -99,7 +108,7 @@ def grad_input(conv: DepthwiseConv) -> list[te.Tensor]:
         inside = tirx.all(a >= top, a < top + oh, b >= left, b < left + ow)
         return tirx.if_then_else(inside, dy[n, a - top, b - left, o], _zero(conv.dtype))
 
-    dy_pad = te.compute((conv.n, oh + top + bottom, ow + left + right, conv.out_channels), dy_at, name="dy_pad")
+    dy_pad = te.compute((batch, oh + top + bottom, ow + left + right, conv.out_channels), dy_at, name="dy_pad")
     mm = te.reduce_axis((0, m), name="m")
     t = te.reduce_axis((0, th), name="r")
     u = te.reduce_axis((0, tw), name="s")
@@ -111,14 +120,14 @@ def grad_input(conv: DepthwiseConv) -> list[te.Tensor]:
         live = [cond for cond, stride, k in ((r < kh, sh, kh), (q < kw, sw, kw)) if stride > 1 and k % stride]
         return tirx.if_then_else(tirx.all(*live), term, _zero(conv.dtype)) if live else term
 
-    dx = te.compute(activation_shape(s["x"]), lambda n, i, j, c: te.sum(body(n, i, j, c), axis=[mm, t, u]), name="dx")
+    dx = te.compute(_act(batch, s["x"]), lambda n, i, j, c: te.sum(body(n, i, j, c), axis=[mm, t, u]), name="dx")
     return [dy, w, dx]
 
 
-def _grad_input_dilated(conv: DepthwiseConv) -> list[te.Tensor]:
+def _grad_input_dilated(conv: DepthwiseConv, batch: Batch) -> list[te.Tensor]:
     """Stride and dilation on one axis: every tap over the zero-dilated gradient (rare in CNNs)."""
     s = conv.shapes()
-    dy = te.placeholder(activation_shape(s["y"]), conv.dtype, name="dy")
+    dy = te.placeholder(_act(batch, s["y"]), conv.dtype, name="dy")
     w = te.placeholder(s["w"], conv.dtype, name="w")
     wt = _weight_t(conv, w)
     (kh, kw), (sh, sw), (ph, pw), (dh, dw), m = conv.kernel, conv.stride, conv.padding, conv.dilation, conv.multiplier
@@ -131,13 +140,13 @@ def _grad_input_dilated(conv: DepthwiseConv) -> list[te.Tensor]:
         return tirx.if_then_else(inside, dy[n, a // sh, b // sw, o], _zero(conv.dtype))
 
     dy_pad = te.compute(
-        (conv.n, conv.h + (kh - 1) * dh, conv.w + (kw - 1) * dw, conv.out_channels), dy_at, name="dy_pad"
+        (batch, conv.h + (kh - 1) * dh, conv.w + (kw - 1) * dw, conv.out_channels), dy_at, name="dy_pad"
     )
     mm = te.reduce_axis((0, m), name="m")
     r = te.reduce_axis((0, kh), name="r")
     q = te.reduce_axis((0, kw), name="s")
     dx = te.compute(
-        activation_shape(s["x"]),
+        _act(batch, s["x"]),
         lambda n, i, j, c: te.sum(
             dy_pad[n, i + r * dh, j + q * dw, c * m + mm] * wt[kh - 1 - r, kw - 1 - q, c * m + mm], axis=[mm, r, q]
         ),
@@ -146,14 +155,14 @@ def _grad_input_dilated(conv: DepthwiseConv) -> list[te.Tensor]:
     return [dy, w, dx]
 
 
-def grad_weight(conv: DepthwiseConv) -> list[te.Tensor]:
+def grad_weight(conv: DepthwiseConv, batch: Batch) -> list[te.Tensor]:
     s = conv.shapes()
-    x = te.placeholder(activation_shape(s["x"]), conv.dtype, name="x")
-    dy = te.placeholder(activation_shape(s["y"]), conv.dtype, name="dy")
-    pad = _padded(conv, x)
+    x = te.placeholder(_act(batch, s["x"]), conv.dtype, name="x")
+    dy = te.placeholder(_act(batch, s["y"]), conv.dtype, name="dy")
+    pad = _padded(conv, x, batch)
     (kh, kw), (sh, sw), (dh, dw), m = conv.kernel, conv.stride, conv.dilation, conv.multiplier
     oh, ow = conv.out_hw
-    rn = te.reduce_axis((0, conv.n), name="n")
+    rn = te.reduce_axis((0, batch), name="n")
     ri = te.reduce_axis((0, oh), name="i")
     rj = te.reduce_axis((0, ow), name="j")
     acc = "float32"

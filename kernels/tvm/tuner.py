@@ -15,9 +15,13 @@ Stops at the trial budget, when the space is exhausted, or after
 The search does not build or run anything itself: a
 :class:`~.builder.Builder` turns a config into a kernel and a
 :class:`~.runner.Runner` checks and times it (by default both in this
-process), so builders and runners elsewhere (worker processes, a GPU
-machine without the compiler) plug in without changing the search. The
-same seed, space and measurements give the same proposals.
+process; :mod:`.isolated` does both in a worker process with a time limit),
+so builders and runners elsewhere plug in without changing the search. Its
+state is a :class:`Search` that proposes and is told what was measured, so
+a search can also be resumed from the records (``tune(resume=...)``) or
+driven a batch per run, its candidates measured on another machine
+(:mod:`.remote`). The same seed, space and measurements give the same
+proposals.
 """
 
 from __future__ import annotations
@@ -26,28 +30,31 @@ import json
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Callable, TypeVar
+from typing import Callable, Iterable, TypeVar
 
 import torch
 
 from .builder import Builder, LocalBuilder
-from .cost_model import CostModel, History, XGBoostModel, config_features
+from .cost_model import CostModel, History, HistoryKey, XGBoostModel, config_features
 from .ops import DepthwiseConv
 from .runner import LocalRunner, Runner
 from .space import Config, InvalidConfig, Space
 from .target import Target, target_key
 from .template import get_template, layout_of
 
-__all__ = ["TuneResult", "tune", "Measurement", "History"]
+__all__ = ["TuneResult", "tune", "Measurement", "History", "Search", "history_key"]
 
 K = TypeVar("K")
 
 
 @dataclass
 class Measurement:
+    """One candidate's outcome: its µs, or inf and how it failed (``status``: error, wrong, crash, timeout)."""
+
     config: Config
     us: float  # inf when it failed
     error: str = ""
+    status: str = "ok"
 
 
 @dataclass
@@ -117,6 +124,92 @@ def _propose(
     return out
 
 
+def history_key(conv: DepthwiseConv, op: str, target: Target, layout: str = "NCHW") -> HistoryKey:
+    """Where a :class:`~.cost_model.History` keeps the measurements of ``op`` with the template for ``layout``."""
+    return History.key(get_template(target, layout).space(conv, op), op)
+
+
+class Search:
+    """One kernel's search: what was measured, the cost model over it, and what to try next.
+
+    :func:`tune` drives it in one process (propose, measure, :meth:`add`,
+    :meth:`refit`); a remote round (:mod:`.remote`) rebuilds it from the
+    records with :meth:`resume`, asks it for the next batch, and hears the
+    times in a later run. ``prior`` is earlier problems' (features, targets)
+    for the model (see :class:`~.cost_model.History`).
+    """
+
+    def __init__(self, conv: DepthwiseConv, op: str, target: Target, *, layout: str = "NCHW", seed: int = 0,
+                 prior: tuple[list[list[float]], list[float]] | None = None,
+                 cost_model: Callable[[int], CostModel] = XGBoostModel) -> None:
+        self.conv, self.op, self.seed, self.cost_model = conv, op, seed, cost_model
+        self.template = get_template(target, layout)
+        self.space = self.template.space(conv, op)
+        self.rng = random.Random(seed)
+        self.measurements: list[Measurement] = []
+        self.seen: set[str] = set()
+        self.x: list[list[float]] = []  # features and log(µs / byte) of the successful measurements
+        self.y: list[float] = []
+        self.prior_x, self.prior_y = prior if prior is not None else ([], [])
+        self.model: CostModel | None = None
+        self.log_bytes = math.log(conv.min_bytes(op))  # targets are log(µs / byte): comparable between problems
+        if self.prior_y:
+            self.model = cost_model(seed)
+            self.model.fit(self.prior_x, self.prior_y)
+
+    def features(self, config: Config) -> list[float]:
+        return config_features(self.space, self.template, self.conv, self.op, config)
+
+    def valid(self, config: Config) -> bool:
+        try:
+            self.template.validate(self.conv, self.op, config)
+            return True
+        except InvalidConfig:
+            return False
+
+    def propose(self, n: int) -> list[Config]:
+        """Up to ``n`` configs not measured yet (fewer when the space runs out), best-predicted first."""
+        start = [m.config for m in sorted(self.measurements, key=lambda m: m.us) if math.isfinite(m.us)]
+        return _propose(self.space, self.features, self.model, self.seen, self.valid, n, self.rng, start)
+
+    def add(self, m: Measurement) -> None:
+        """Take one measurement (the model learns it at the next :meth:`refit`)."""
+        self.seen.add(_key(m.config))
+        self.measurements.append(m)
+        if math.isfinite(m.us):
+            self.x.append(self.features(m.config))
+            self.y.append(math.log(m.us) - self.log_bytes)
+
+    def resume(self, earlier: Iterable[Measurement]) -> int:
+        """Take measurements made before (the records); returns how many were usable. :meth:`refit` before
+        proposing (not done here: a search resumed at its budget proposes nothing).
+
+        A config recorded before a knob existed gets the knob's old choice
+        (:meth:`~.space.Space.complete`); one the space no longer has is
+        passed over.
+        """
+        taken = 0
+        for m in earlier:
+            config = self.space.complete(m.config)
+            try:
+                self.space.check(config)
+            except InvalidConfig:
+                continue
+            self.add(Measurement(config, m.us, m.error, m.status))
+            taken += 1
+        return taken
+
+    def refit(self) -> None:
+        """Fit the model on the prior and everything measured; failures as 4x the slowest, to avoid their region."""
+        if not self.y:
+            return
+        worst = max(self.y) + math.log(4.0)
+        fx = self.x + [self.features(m.config) for m in self.measurements if not math.isfinite(m.us)]
+        fy = self.y + [worst] * (len(fx) - len(self.y))
+        self.model = self.model or self.cost_model(self.seed)
+        self.model.fit(self.prior_x + fx, self.prior_y + fy)
+
+
 def tune(
     conv: DepthwiseConv,
     op: str,
@@ -134,73 +227,47 @@ def tune(
     builder: Builder[K] | None = None,
     runner: Runner[K] | None = None,
     cost_model: Callable[[int], CostModel] = XGBoostModel,
+    resume: Iterable[Measurement] = (),
 ) -> TuneResult:
     """Search the template's space for ``op`` on ``conv`` with ``layout`` activations.
 
-    Every measurement goes to ``on_measure``; with ``history`` the model
+    Every new measurement goes to ``on_measure``; with ``history`` the model
     starts from earlier problems' measurements and this one's are added.
-    ``builder`` and ``runner`` default to building and running in this
-    process; ``cost_model`` makes a model from the seed.
+    ``resume`` is this problem's earlier measurements (from the records):
+    they count towards ``trials``, are never measured again, and the model
+    starts from them. ``builder`` and ``runner`` default to building and
+    running in this process; ``cost_model`` makes a model from the seed.
     """
     if trials < 1:
         raise ValueError(f"trials must be >= 1, got {trials}")
     build_with = LocalBuilder() if builder is None else builder
     run_with = LocalRunner() if runner is None else runner
-    tmpl = get_template(target, layout)
-    space = tmpl.space(conv, op)
-    rng = random.Random(seed)
-    result = TuneResult(op, conv, target_key(target), layout)
-    seen: set[str] = set()
-    x: list[list[float]] = []
-    y: list[float] = []
-    model: CostModel | None = None
+    hkey = history_key(conv, op, target, layout)
+    search = Search(conv, op, target, layout=layout, seed=seed, cost_model=cost_model,
+                    prior=history.get(hkey) if history is not None else None)
+    result = TuneResult(op, conv, target_key(target), layout, search.measurements)
+    if search.resume(resume) and len(search.measurements) < trials:
+        search.refit()
+    best = min((m.us for m in search.measurements), default=math.inf)
     stale = 0
-    best = math.inf
-    log_bytes = math.log(conv.min_bytes(op))  # targets are log(µs / byte): comparable between problems
-    hkey = History.key(space, op)
-    prior_x, prior_y = history.get(hkey) if history is not None else ([], [])
-    if prior_y:
-        model = cost_model(seed)
-        model.fit(prior_x, prior_y)
-
-    def feats(c: Config) -> list[float]:
-        return config_features(space, tmpl, conv, op, c)
-
-    def valid(c: Config) -> bool:
-        try:
-            tmpl.validate(conv, op, c)
-            return True
-        except InvalidConfig:
-            return False
-
     while len(result.measurements) < trials:
-        start = [m.config for m in sorted(result.measurements, key=lambda m: m.us) if math.isfinite(m.us)]
-        cands = _propose(space, feats, model, seen, valid, min(batch, trials - len(result.measurements)), rng, start)
+        cands = search.propose(min(batch, trials - len(result.measurements)))
         if not cands:
             break  # the space is exhausted
         improved = False
         for cfg in cands:
-            seen.add(_key(cfg))
             m = _measure(build_with, run_with, conv, op, cfg, target, device, min_ms)
-            result.measurements.append(m)
-            if math.isfinite(m.us):
-                x.append(feats(cfg))
-                y.append(math.log(m.us) - log_bytes)
-                if m.us < best * 0.995:
-                    best, improved = m.us, True
+            search.add(m)
+            if math.isfinite(m.us) and m.us < best * 0.995:
+                best, improved = m.us, True
             if on_measure is not None:
                 on_measure(m, result)
-        if y:
-            worst = max(y) + math.log(4.0)  # failures teach the model to avoid their region
-            fx = x + [feats(m.config) for m in result.measurements if not math.isfinite(m.us)]
-            fy = y + [worst] * (len(fx) - len(y))
-            model = model or cost_model(seed)
-            model.fit(prior_x + fx, prior_y + fy)
+        search.refit()
         stale = 0 if improved else stale + 1
         if stale >= patience:
             break
     if history is not None:
-        history.add(hkey, x, y)
+        history.add(hkey, search.x, search.y)
     return result
 
 
@@ -209,6 +276,7 @@ def _measure(builder: Builder[K], runner: Runner[K], conv: DepthwiseConv, op: st
     try:
         kernel = builder.build(conv, op, cfg, target)
         us = runner.run(kernel, conv, op, layout_of(cfg), device, min_ms)
-    except Exception as e:  # a compile error or a wrong result: never a record
-        return Measurement(cfg, math.inf, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+    except Exception as e:  # a compile error, a wrong result, a crash or a hang: never a time
+        first = str(e).splitlines()[0][:200] if str(e) else ""
+        return Measurement(cfg, math.inf, f"{type(e).__name__}: {first}", str(getattr(e, "status", "error")))
     return Measurement(cfg, us)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import platform
 
-__all__ = ["sha256", "cpu_flags"]
+__all__ = ["sha256", "cpu_flags", "cpu_name"]
 
 
 def sha256(path: str) -> str:
@@ -17,11 +18,22 @@ def sha256(path: str) -> str:
 
 def cpu_flags() -> set[str]:
     """This CPU's feature flags (Linux); a CPU library needs its build host's vector extensions."""
+    flags = _cpuinfo("flags")
+    return set(flags.split()) if flags else set()
+
+
+def _cpuinfo(field: str) -> str | None:
+    """The first ``field`` line's value in /proc/cpuinfo (Linux), or None."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                if line.startswith(field):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return set()
+    return None
+
+
+def cpu_name() -> str:
+    """This CPU's model name, for the machine named beside every figure."""
+    return _cpuinfo("model name") or platform.processor() or platform.machine()

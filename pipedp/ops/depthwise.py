@@ -3,7 +3,8 @@
 Three ops (forward, grad-input, grad-weight) are registered with
 ``torch.library``, each with a fake implementation so ``torch.compile`` can
 trace through them; autograd of the forward calls the two gradient ops. Each
-runs the tuned kernel for its exact problem when the caller's
+runs the tuned kernel of its layer (whatever the batch size: a kernel tuned
+at one serves all) when the caller's
 :class:`~pipedp.ops.runtime.KernelChoice` names a library that has one and
 torch's own convolution otherwise, so results never depend on what was
 tuned, only speed does. The choice travels with every call (the ops take the
@@ -45,7 +46,7 @@ def problem_of(x_shape: Sequence[int], w_shape: Sequence[int], stride, padding, 
 
 def _kernel(op: str, device: torch.device, x_shape, w_shape, stride, padding, dilation, dtype: torch.dtype,
             layout: str, lib_key: str, faster_only: bool):
-    """The tuned kernel for this exact problem and activation layout, or None (then torch computes it).
+    """The tuned kernel for this layer and activation layout at this batch size, or None (then torch computes it).
 
     The answer is remembered per call signature on the library (building the
     record key costs about as much as launching a small kernel).

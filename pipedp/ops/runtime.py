@@ -9,6 +9,15 @@ export record is checked field by field and every function it names is
 looked up at load, so a damaged database fails there, before any layer is
 swapped, with a :class:`~pipedp.ops.records.KernelDbError` naming the file
 and the fix (``kernels="auto"`` then keeps torch).
+
+An exported kernel takes any batch size, so a library is looked up per layer
+(:func:`~pipedp.ops.records.layer_key`): every microbatch and the last,
+smaller batch of an epoch run the layer's tuned kernel. Its index arithmetic
+is 32-bit, as for a kernel of a fixed batch that fits, so a batch whose
+tensors reach 2**31 elements runs in slices that do not (:func:`_in_slices`).
+Libraries exported before kernels took any batch size keyed each kernel by
+its exact problem (:func:`~pipedp.ops.records.problem_key`) and were compiled
+for exactly that batch size: they still load, and serve exactly that size.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import importlib.util
+import json
 import os
 import threading
 from dataclasses import dataclass
@@ -29,8 +39,8 @@ from .artifact import cpu_flags, sha256
 from .problem import DepthwiseConv
 from .records import KernelDbError
 
-__all__ = ["KernelLibrary", "KernelChoice", "load_library", "library", "library_or_none", "default_db", "runtime_folder", "target_for",
-           "KernelDbError"]
+__all__ = ["KernelLibrary", "KernelChoice", "load_library", "library", "library_or_none", "default_db",
+           "runtime_folder", "target_for", "batch_limit", "INDEX_LIMIT", "KernelDbError"]
 
 _lock = threading.Lock()
 _loaded_runtime: set[str] = set()
@@ -109,6 +119,10 @@ class KernelLibrary:
         # CPU kernels' parallel loops on torch's OpenMP team (False: they keep TVM's pool)
         self.torch_team = not self.target.startswith("cuda") and parallel.route(self.path)
         self.lookups: dict[tuple, Callable[..., Any] | None] = {}  # pipedp.ops.depthwise's per-signature answers
+        if any(_batch_bound(k) for k in self.kernels):
+            log.warning("%s was exported before kernels served every batch size: its kernels run at the batch size "
+                        "they were tuned at only (torch runs the others; kernels='tvm' refuses them). Run tune-kernels "
+                        "again to re-export it for every batch size (the tuning records are kept)", self.path)
 
     @property
     def key(self) -> str:
@@ -119,20 +133,85 @@ class KernelLibrary:
             -> Callable[..., Any] | None:
         """The kernel for ``op`` on ``problem`` with ``layout`` activations, or None (torch runs it).
 
-        With ``faster_only`` a kernel whose tuning measured it no faster than
-        torch in the same layout is passed over too.
+        The layer's kernel serves any batch size; an older library's kernel
+        only the batch size it was compiled for. With ``faster_only`` a kernel
+        whose tuning measured it no faster than torch in the same layout is
+        passed over too.
         """
-        pk = rec.problem_key(op, problem.key(), self.target, layout)
-        sym = self.kernels.get(pk)
-        if sym is None or (faster_only and not self.beats_torch(pk)):
+        key = rec.layer_key(op, problem.key(), self.target, layout)
+        any_batch = key in self.kernels
+        if not any_batch:
+            key = rec.problem_key(op, problem.key(), self.target, layout)  # exported before any batch size
+            if key not in self.kernels:
+                return None
+        if faster_only and not self.beats_torch(key):
             return None
-        return self._funcs[sym]
+        kernel = self._funcs[self.kernels[key]]
+        limit = batch_limit(problem)
+        return _in_slices(kernel, op, limit) if any_batch and problem.n > limit else kernel
 
-    def beats_torch(self, problem_key: str) -> bool:
-        """Whether the tuned kernel measured faster than torch in its layout (True when not recorded)."""
-        t = self.timings.get(problem_key) or {}
+    def fixed_batches(self, op: str, problem: DepthwiseConv, layout: str = "NCHW") -> list[int]:
+        """The batch sizes at which a library exported before kernels took any batch size has this layer's
+        ``op`` kernel (empty for a newer library): what an error about a missing kernel should name."""
+        want = rec.layer_key(op, problem.key(), self.target, layout)
+        sizes = []
+        for key in self.kernels:
+            try:
+                n = rec.batch_of(key)
+                k_op, k_problem, k_layout, k_target = json.loads(key)
+            except ValueError:  # not a key this pipedp writes: no kernel of this layer
+                continue
+            if n is not None and rec.layer_key(k_op, k_problem, k_target, k_layout) == want:
+                sizes.append(n)
+        return sorted(sizes)
+
+    def beats_torch(self, key: str) -> bool:
+        """Whether the kernel exported under ``key`` measured faster than torch in its layout when tuned (at the
+        batch size it was tuned at; True when not recorded)."""
+        t = self.timings.get(key) or {}
         us, base = t.get("us"), t.get("torch_us")
         return not (isinstance(us, (int, float)) and isinstance(base, (int, float))) or us < base
+
+
+def _batch_bound(key: str) -> bool:
+    """Whether an export key names a kernel compiled for one batch size (a library from before any batch size)."""
+    try:
+        return rec.batch_of(key) is not None
+    except ValueError:
+        return False
+
+
+INDEX_LIMIT = 2**31  # elements a kernel's 32-bit index arithmetic can address
+
+
+def batch_limit(problem: DepthwiseConv) -> int:
+    """The most samples one call of an any-batch kernel takes: every tensor it indexes (the padded input and
+    gradient too, where a schedule keeps them whole) stays under :data:`INDEX_LIMIT` elements."""
+    (kh, kw), (ph, pw), (dh, dw) = problem.kernel, problem.padding, problem.dilation
+    (oh, ow), o = problem.out_hw, problem.out_channels
+    per_sample = max(problem.c * (problem.h + 2 * ph) * (problem.w + 2 * pw),
+                     o * (problem.h + (kh - 1) * dh) * (problem.w + (kw - 1) * dw), o * oh * ow)
+    return max(1, (INDEX_LIMIT - 1) // per_sample)
+
+
+def _in_slices(kernel: Callable[..., Any], op: str, limit: int) -> Callable[..., Any]:
+    """``kernel`` run on slices of at most ``limit`` samples (views along the batch, the outermost dimension in
+    both layouts); grad-weight adds up the slices' weight gradients."""
+
+    def run(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+        n = a.shape[0]
+        for start in range(0, n, limit):
+            part = slice(start, min(n, start + limit))
+            if op != "wgrad":  # (activation, weight) -> activation
+                kernel(a[part], b, out[part])
+            elif start == 0:  # (activation, activation) -> weight
+                kernel(a[part], b[part], out)
+            else:
+                partial = torch.empty_like(out)
+                kernel(a[part], b[part], partial)
+                out += partial
+
+    return run
 
 
 def _damaged(db: str, problem: str) -> KernelDbError:
@@ -151,10 +230,10 @@ def _check_export(db: str, export: dict[str, Any]) -> None:
         raise _damaged(db, f"{where} names the library {name!r:.80}, which is not a file name inside {db}")
     kernels = export.get("kernels")
     if not isinstance(kernels, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in kernels.items()):
-        raise _damaged(db, f"{where} has 'kernels' {kernels!r:.60}, not a map of problem keys to function names")
+        raise _damaged(db, f"{where} has 'kernels' {kernels!r:.60}, not a map of kernel keys to function names")
     timings = export.get("timings")
     if timings is not None and not (isinstance(timings, dict) and all(isinstance(t, dict) for t in timings.values())):
-        raise _damaged(db, f"{where} has 'timings' {timings!r:.60}, not a map of problem keys to "
+        raise _damaged(db, f"{where} has 'timings' {timings!r:.60}, not a map of kernel keys to "
                            f"{{'us': ..., 'torch_us': ...}}")
     _cpu_flags(db, export)
 

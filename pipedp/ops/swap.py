@@ -3,11 +3,14 @@
 A layer keeps its object, parameters and state_dict keys; only its class
 becomes :class:`TunedDepthwiseConv2d` (an ``nn.Conv2d`` whose forward calls
 ``pipedp.ops.depthwise_conv2d``). ``kernels="auto"`` swaps every depthwise
-layer and lets each call fall back to torch where no kernel was tuned for its
-exact shape, or where the tuned kernel measured slower than torch in the same
+layer and lets each call fall back to torch where no kernel was tuned for the
+layer, or where the tuned kernel measured slower than torch in the same
 layout (forward, grad-input and grad-weight are chosen separately); ``"tvm"``
 uses every tuned kernel and makes a missing one an error that names the
-command to run; ``"torch"`` swaps nothing.
+command to run; ``"torch"`` swaps nothing. A layer's kernel serves every
+batch size (microbatches, a last partial batch), whatever size it was tuned
+at; only a library exported before that serves just the size it was tuned at,
+and ``"tvm"`` then says to re-export it.
 
 On a CPU ``"auto"`` swaps only where the kernels run on torch's OpenMP team
 (:mod:`pipedp.ops.parallel`; that needs a C compiler at first use): on
@@ -69,15 +72,23 @@ class TunedDepthwiseConv2d(nn.Conv2d):
         p = problem_of(x.shape, self.weight.shape, self.stride, self.padding, self.dilation, x.dtype)
         layout = layout_of_tensor(x)
         missing = [op for op in ("fwd", "dgrad", "wgrad") if lib.find(op, p, layout, choice.faster_only) is None]
-        if missing:
+        if not missing:
+            return
+        what = (f"kernels='tvm': no tuned {layout} {'/'.join(missing)} kernel on {x.device} for a depthwise layer "
+                f"(kernel {tuple(self.kernel_size)}, stride {tuple(self.stride)}) whose input is {tuple(x.shape)}")
+        command = (f"tune-kernels --model <your model> --input-shape N,C,H,W --target {x.device.type} "
+                   f"--layouts {layout.lower()} --db {lib.db}")
+        sizes = sorted({n for op in missing for n in lib.fixed_batches(op, p, layout)})
+        if sizes:
             raise RuntimeError(
-                f"kernels='tvm': no tuned {layout} {'/'.join(missing)} kernel on {x.device} for a depthwise layer "
-                f"(kernel {tuple(self.kernel_size)}, stride {tuple(self.stride)}) whose input is {tuple(x.shape)}. "
-                f"Run `tune-kernels --model <your model> --input-shape {x.shape[0]},C,H,W --target {x.device.type} "
-                f"--layouts {layout.lower()}` "
-                f"with your model's input shape at this batch size (pipedp feeds microbatches: N={x.shape[0]}), "
-                f"or wrap with kernels='auto' to use torch where no kernel was tuned"
-            )
+                f"{what}: {lib.path} was exported before kernels served every batch size, and has this layer's "
+                f"kernels for batch size {', '.join(map(str, sizes))} only. Run `{command}` again to re-export them "
+                f"for every batch size (the tuning records are kept), or wrap with kernels='auto' to use torch at "
+                f"other batch sizes")
+        raise RuntimeError(
+            f"{what}. Run `{command}` with your model's input shape (any batch size N: a kernel tuned for a layer "
+            f"serves every batch and microbatch size), or wrap with kernels='auto' to use torch where no kernel was "
+            f"tuned")
 
 
 _ABSENT = object()

@@ -214,20 +214,22 @@ class Executor:
         loss_fn: LossFn,
         timer: StepTimer | None = None,
         sync: GradSyncLike | None = None,
+        loss_scale: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """Forward and backward of every microbatch; returns the weighted loss sum (detached).
 
         ``xs`` must be on the first stage's device and ``ys`` on the last's
         (on other pipeline ranks only their shapes matter). Each microbatch's
-        loss is multiplied by ``weights[i]`` before its backward; gradients
-        accumulate in the parameters' ``.grad``. ``sync.arm(k)``/``sync.finish(k)``
+        loss is multiplied by ``weights[i]`` (and by ``loss_scale``, fp16 loss
+        scaling, which the returned sum leaves out) before its backward;
+        gradients accumulate in the parameters' ``.grad``. ``sync.arm(k)``/``sync.finish(k)``
         bracket the last backward of local stage k. Returns None on a rank
         without the last stage.
         """
         m = self.microbatches
         if not (len(xs) == len(ys) == len(weights) == m):
             raise ValueError(f"expected {m} microbatches, got {len(xs)} inputs and {len(ys)} targets")
-        step = _Step(self, xs, ys, weights, loss_fn, timer)
+        step = _Step(self, xs, ys, weights, loss_fn, timer, loss_scale)
         self._run(self.train_order, step, sync)
         if step.total is not None:
             current_lane(self.stages[-1].device).keep(step.total)
@@ -265,9 +267,11 @@ class GradSyncLike(Protocol):
 class _Step:
     """The in-flight tensors and events of one step (training when ``loss_fn`` is given)."""
 
-    def __init__(self, ex: Executor, xs, ys, weights, loss_fn: LossFn | None, timer: StepTimer | None) -> None:
+    def __init__(self, ex: Executor, xs, ys, weights, loss_fn: LossFn | None, timer: StepTimer | None,
+                 loss_scale: torch.Tensor | None = None) -> None:
         n, m = ex.n, ex.microbatches
         self.ex, self.xs, self.ys, self.weights, self.loss_fn, self.timer = ex, xs, ys, weights, loss_fn, timer
+        self.loss_scale = loss_scale
         self.inputs: list[list[torch.Tensor | None]] = [[None] * m for _ in range(n)]
         self.outputs: list[list[torch.Tensor | None]] = [[None] * m for _ in range(n)]
         self.losses: list[torch.Tensor | None] = [None] * m
@@ -302,13 +306,16 @@ class _Step:
             timer.begin(lane)
         out = stage(inp)
         if s == ex.n - 1 and self.loss_fn is not None:
-            loss = self.loss_fn(out, ex._move(self.ys[i], None, self.ys[i].device, lane))
+            with stage.precision():  # the loss under autocast too, as in plain autocast training
+                loss = self.loss_fn(out, ex._move(self.ys[i], None, self.ys[i].device, lane))
             err = _loss_error(loss)
             if err:
                 raise ValueError(err)
             loss = loss * self.weights[i]
-            self.losses[i] = loss
             self.total = loss.detach() if self.total is None else self.total + loss.detach()
+            if self.loss_scale is not None:
+                loss = loss * self.loss_scale.to(loss.device, non_blocking=True)
+            self.losses[i] = loss
         else:
             if not isinstance(out, torch.Tensor) and s < ex.n - 1:  # the last stage's output leaves the pipeline
                 raise ValueError(f"stage {s} ({stage.names[-1]}) returned {type(out).__name__}, not a tensor")

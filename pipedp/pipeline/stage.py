@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import Any, Callable, ContextManager
 
 import torch
 
@@ -14,20 +16,37 @@ __all__ = ["Stage"]
 
 @dataclass
 class Stage:
+    """``chain`` is the stage's modules; ``body``, when set, runs them instead (compiled and/or recomputed).
+
+    ``autocast``: the dtype the forward (and, at the last stage, the loss)
+    runs in under ``torch.autocast``; None runs as the model is. ``autocast_cache``:
+    autocast's cache of cast weights, off under CUDA-graph capture (cached casts
+    made outside a graph and used inside it do not mix).
+    """
+
     index: int
     chain: Chain
     device: torch.device
     lane: Lane
     copy_input: bool = False  # the first block modifies its input in place
-
+    autocast: torch.dtype | None = None
+    autocast_cache: bool = True
+    body: Callable[[torch.Tensor], Any] | None = None
 
     @property
     def names(self) -> list[str]:
         return self.chain.names
+
+    def precision(self) -> ContextManager[Any]:
+        """The stage's autocast region (a no-op in fp32)."""
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast, cache_enabled=self.autocast_cache)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # A leaf that requires grad cannot be modified in place: give such a
         # first block a (non-leaf) copy; gradients still reach the leaf.
         if self.copy_input and x.requires_grad and x.is_leaf:
             x = x.clone()
-        return self.chain(x)
+        with self.precision():
+            return (self.body if self.body is not None else self.chain)(x)

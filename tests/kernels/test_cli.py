@@ -3,7 +3,9 @@ help, version and one-line failures, with and without the compiler's extra insta
 
 import argparse
 import importlib.util
+import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -13,6 +15,7 @@ import pytest
 from pipedp.kernels.tvm import cli  # (imports no TVM: checked below)
 from pipedp.ops import records as R
 
+from tests import faults
 from tests.model_files import DEPTHWISE_NET as MODEL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -52,12 +55,23 @@ def tuned(tmp_path_factory):
     root = tmp_path_factory.mktemp("tune")
     (root / "net.py").write_text(MODEL)
     db = root / "db"
-    # pipedp feeds microbatches of 4: tune at that batch size.
-    code = cli.main(["--model", f"{root / 'net.py'}:build", "--input-shape", "4,3,16,16", "--trials", "4",
-                     "--allocator", "default",  # (reuse is process-wide and lasting: not in the test process)
-                     "--batch", "2", "--db", str(db), "--no-progress"])
-    assert code == 0
+    assert cli.main(_args(root, db)) == 0
     return root, db
+
+
+def _args(root, db, *more):
+    # pipedp feeds microbatches of 4: tune at that batch size.
+    return ["--model", f"{root / 'net.py'}:build", "--input-shape", "4,3,16,16", "--trials", "4",
+            "--allocator", "default",  # (reuse is process-wide and lasting: not in the test process)
+            "--batch", "2", "--db", str(db), "--no-progress", *more]
+
+
+def _measured(db):
+    return [r for r in R.read(db / R.RECORDS_FILE) if r["kind"] == "measure"]
+
+
+def _key(r):
+    return R.problem_key(r["op"], r["problem"], r["target"], r["layout"])
 
 
 def _train(root, db, layout="nchw"):
@@ -72,9 +86,82 @@ def test_cli_tunes_every_depthwise_kernel_and_exports(tuned, capsys):
     export = R.latest_export(recs, recs[-1]["target"])
     assert export is not None and len(export["kernels"]) == 12  # 2 problems x fwd, dgrad, wgrad x NCHW, NHWC
     measured = [r for r in recs if r["kind"] == "measure"]
-    assert all(r["us"] > 0 and set(r["torch_us"]) == {"nchw", "nhwc"} and "tvm" in r["versions"] for r in measured)
+    ok = [r for r in measured if r["status"] == "ok"]
+    assert all(r["us"] > 0 and set(r["torch_us"]) == {"nchw", "nhwc"} and "tvm" in r["versions"] for r in ok)
+    assert all(r["us"] is None and r["error"] for r in measured if r["status"] != "ok")  # every candidate recorded
     assert {r["layout"] for r in measured} == {"NCHW", "NHWC"}
     assert all(r["layout"] == r["config"]["layout"] for r in measured if r["layout"] == "NHWC")
+    tuned_keys = [_key(r) for r in recs if r["kind"] == "tuned"]
+    assert len(tuned_keys) == len(set(tuned_keys)) == 12  # each search marked done, once
+    assert {r["schema"] for r in recs} == {R.SCHEMA}
+
+
+def test_a_second_run_skips_the_tuned_kernels(tuned, tmp_path, capsys):
+    root, good = tuned
+    db = tmp_path / "db"
+    shutil.copytree(good, db)
+    before = _measured(db)
+    assert cli.main(_args(root, db)) == 0
+    assert "12 of 12 kernel(s) already tuned with --trials 4 or more" in capsys.readouterr().out
+    assert _measured(db) == before
+
+
+@pytest.mark.slow  # (two more runs, each exporting again)
+def test_a_larger_budget_or_retune_tunes_tuned_kernels_further(tuned, tmp_path):
+    root, good = tuned
+    db = tmp_path / "db"
+    shutil.copytree(good, db)
+    for more in (["--trials", "5"], ["--retune", "--trials", "1"]):  # each: one more candidate per kernel
+        count = len(_measured(db))
+        assert cli.main(_args(root, db, *more, "--ops", "fwd", "--layouts", "nchw")) == 0
+        new = _measured(db)[count:]
+        assert len(new) == 2 and {(r["op"], r["layout"]) for r in new} == {("fwd", "NCHW")}, more
+        for r in new:  # none measured before
+            assert r["config"] not in [o["config"] for o in _measured(db)[:count] if _key(o) == _key(r)]
+
+
+def test_a_kernel_cut_short_resumes_where_it_stopped(tuned, tmp_path):
+    root, good = tuned
+    db = tmp_path / "db"
+    shutil.copytree(good, db)
+    records = R.read(db / R.RECORDS_FILE)
+    cut = _key(next(r for r in records if r["kind"] == "measure"))  # as if Ctrl-C came after its first candidate
+    first = next(r for r in records if r["kind"] == "measure" and _key(r) == cut)
+    kept = [r for r in records if r["kind"] not in ("measure", "tuned") or _key(r) != cut or r is first]
+    (db / R.RECORDS_FILE).write_text("".join(json.dumps(r) + "\n" for r in kept))
+    assert cli.main(_args(root, db)) == 0
+    new = _measured(db)[len([r for r in kept if r["kind"] == "measure"]):]
+    assert len(new) == 3 and {_key(r) for r in new} == {cut}  # the other 11 kernels were done
+    assert first["config"] not in [r["config"] for r in new]
+    assert _key(R.read(db / R.RECORDS_FILE)[-2]) == cut  # its search is marked done (then the export)
+
+
+def test_records_of_an_earlier_pipedp_are_resumed_not_tuned_anew(tuned, tmp_path):
+    root, good = tuned
+    db = tmp_path / "db"
+    shutil.copytree(good, db)
+    old = [{k: v for k, v in r.items() if k != "schema"} for r in R.read(db / R.RECORDS_FILE) if r["kind"] != "tuned"]
+    (db / R.RECORDS_FILE).write_text("".join(json.dumps(r) + "\n" for r in old))  # schema 1: no marks, no stamps
+    assert cli.main(_args(root, db)) == 0
+    assert len(_measured(db)) == len([r for r in old if r["kind"] == "measure"])  # every kernel had its 4 trials
+    assert len([r for r in R.read(db / R.RECORDS_FILE) if r["kind"] == "tuned"]) == 12
+
+
+@pytest.mark.slow  # (two fresh workers and a time limit run out; tests/kernels/test_runner.py shows it in seconds)
+def test_a_candidate_that_crashes_or_hangs_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
+    from pipedp.kernels.tvm import isolated
+
+    monkeypatch.setenv(faults.FAULTS, str(tmp_path))  # the first candidate crashes, the second hangs
+    monkeypatch.setattr(isolated, "build_and_measure", faults.build_and_measure)
+    (tmp_path / "net.py").write_text(MODEL)
+    db = tmp_path / "db"
+    assert cli.main(_args(tmp_path, db, "--trials", "3", "--batch", "3", "--ops", "fwd", "--layouts", "nchw",
+                          "--candidate-timeout", "5")) == 0
+    measured = _measured(db)
+    assert [r["status"] for r in measured] == ["crash", "timeout", "ok", "ok", "ok", "ok"]
+    assert "SIGSEGV" in measured[0]["error"] and "time limit of 5 s" in measured[1]["error"]
+    records = R.read(db / R.RECORDS_FILE)
+    assert len(R.latest_export(records, measured[0]["target"])["kernels"]) == 2
 
 
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
@@ -125,6 +212,12 @@ def test_find_depthwise_dedupes_and_bad_arguments(capsys, tmp_path):
     _fails(capsys, ["--model", "mobilenet_v2", "--input-shape", "2,3,32,32", "--ops", "fwd,bwd", *db],
            "choose from fwd,dgrad,wgrad")
     _fails(capsys, ["--model", "mobilenet_v2", "--input-shape", "2,3,32,32", "--trials", "0", *db], "at least 1")
+    _fails(capsys, ["--model", "mobilenet_v2", "--input-shape", "2,3,32,32", "--candidate-timeout", "0", *db],
+           "give a positive number of seconds")
+    _fails(capsys, ["--model", "mobilenet_v2", "--input-shape", "2,3,32,32", "--retune", "--remote-round",
+                    str(tmp_path / "round"), *db], "--retune does not go with --remote-round")
+    _fails(capsys, ["--model", "mobilenet_v2", "--input-shape", "2,3,32,32", "--target", "cuda", "--remote-round",
+                    str(tmp_path / "round"), *db], "needs the GPU host's --arch")
     if not __import__("torch").cuda.is_available():
         _fails(capsys, ["--model", "mobilenet_v2", "--input-shape", "2,3,32,32", "--target", "cuda", *db],
                "run where torch sees one")
@@ -168,7 +261,7 @@ def test_faster_only_takes_a_kernel_only_where_it_beat_torch_in_its_layout(tuned
     saved = dict(lib.timings)
     try:
         for r in best:
-            pk = R.problem_key(r["op"], r["problem"], lib.target, r["layout"])
+            pk = R.layer_key(r["op"], r["problem"], lib.target, r["layout"])
             t = lib.timings[pk]
             assert t["us"] == r["us"] and t["torch_us"] == r["torch_us"][r["layout"].lower()]
             args = (r["op"], DepthwiseConv.from_key(r["problem"]), r["layout"])
@@ -225,14 +318,16 @@ def test_help_and_version_show_defaults_and_the_extra(tmp_path, block):
     out = " ".join(done.stdout.split())  # (argparse wraps lines)
     assert "pip install 'pipedp[tvm]'" in out
     for shown in ("(default: 64)", "(default: 8)", "(default: cpu)", "(default: fwd,dgrad,wgrad)", "(default: auto)",
-                  "(default: reuse)", "(default: 10)", "(default: 0)", "(default: True)", "(required)"):
+                  "(default: reuse)", "(default: 10)", "(default: 0)", "(default: True)", "(required)",
+                  "(default: False)", "(default: 60.0)", "(default: off)"):
         assert shown in out, shown
     assert "(default: None)" not in out  # every default says what it means (--arch: auto, the GPU's own)
     done = _script(["--version"], tmp_path, block)
     assert done.returncode == 0 and done.stdout.startswith("tune-kernels (pipedp) "), done.stdout + done.stderr
 
 
-def test_every_option_has_help_and_a_default_shown():
+def test_every_option_has_help_and_a_default_shown(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100000")  # one line per option: argparse wraps at hyphens too
     parser = cli.build_parser()
     text = " ".join(parser.format_help().split())
     for action in parser._actions:

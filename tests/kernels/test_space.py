@@ -51,6 +51,17 @@ def test_cuda_constraints_reject_before_compiling():
     assert len(cuda.features(conv, "fwd", ok)) == 5 and len(cpu.features(conv, "wgrad", {"lanes": 8})) == 3
 
 
+def test_cuda_constraints_hold_at_every_batch_size():
+    # A kernel serves every batch size: a block's planes are one sample's channels, whatever n was tuned.
+    with pytest.raises(InvalidConfig, match="exceeds the 2 channels of a sample"):
+        cuda.validate(DepthwiseConv(64, 2, 16, 16, padding=1), "fwd",
+                      {"tile_c": 4, "vt_h": 1, "vt_w": 1, "th": 2, "tw": 8, "ih": 1, "iw": 1, "unroll": 0})
+    # grad-weight keeps every thread's partial sums of all taps in shared memory
+    cuda.validate(DepthwiseConv(8, 32, 14, 14, kernel=5, padding=2), "wgrad", {"threads": 256, "unroll": 16})
+    with pytest.raises(InvalidConfig, match="51200 bytes of shared memory per block"):
+        cuda.validate(DepthwiseConv(8, 32, 14, 14, kernel=5, padding=2), "wgrad", {"threads": 512, "unroll": 16})
+
+
 def test_cpu_space_uses_tiles_that_divide_the_output():
     conv = DepthwiseConv(2, 8, 28, 28, padding=1, stride=2)
     sp = cpu.space(conv, "fwd")

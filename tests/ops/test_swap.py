@@ -8,6 +8,18 @@ import pipedp
 from pipedp.ops.swap import TunedDepthwiseConv2d, is_depthwise, swap_depthwise
 
 
+def _net_module(root) -> object:
+    """The model file the exported fixture was tuned with (``net.py`` in ``root``), imported."""
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(root))
+    try:
+        return importlib.import_module("net")
+    finally:
+        sys.path.remove(str(root))
+
+
 def _net():
     return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 16, 3, padding=1, groups=8),
                          nn.Conv2d(16, 16, 3, groups=4), nn.Flatten())
@@ -104,18 +116,12 @@ def _mark_slower_than_torch(db, op):
 
 
 def test_two_engines_in_one_process_each_get_their_kernels(exported, monkeypatch):
-    import importlib
-    import sys
 
     from pipedp.ops import depthwise as D
 
     root, db = exported
     _mark_slower_than_torch(db, "fwd")
-    sys.path.insert(0, str(root))
-    try:
-        net = importlib.import_module("net")
-    finally:
-        sys.path.remove(str(root))
+    net = _net_module(root)
     torch.manual_seed(0)
     strict, auto, plain = net.build(), net.build(), net.build()
     opts = dict(microbatches=2, profile=False, progress=False, kernel_db=str(db), sample=(8, 3, 16, 16))
@@ -156,3 +162,37 @@ def test_undo_takes_a_swapped_model_off_the_kernels(exported):
     assert swap.count == 1 and type(net[1]) is TunedDepthwiseConv2d and net[1].kernels.strict
     swap.undo()
     assert type(net[1]) is nn.Conv2d and "kernels" not in vars(net[1])
+
+
+def test_tvm_runs_the_tuned_kernels_at_batch_sizes_never_tuned(exported, monkeypatch):
+    # Tuned at batch 4; trained with microbatches of 2 and 1 (7 samples in 4 microbatches), which kernels="tvm"
+    # refused before: a kernel tuned for a layer serves every batch size.
+    import copy
+    from collections import Counter
+
+    from pipedp.ops.runtime import load_library
+
+    root, db = exported
+    lib = load_library(str(db), torch.device("cpu"))
+    calls: Counter = Counter()
+    for sym, f in list(lib._funcs.items()):
+        monkeypatch.setitem(lib._funcs, sym, lambda *a, f=f, sym=sym: (calls.update([(sym, a[0].shape[0])]), f(*a))[1])
+    monkeypatch.setattr(lib, "lookups", {})  # (looked-up kernels are remembered: look them up again, counted)
+    net = _net_module(root)
+    torch.manual_seed(0)
+    model = net.build()
+    ref = copy.deepcopy(model)
+    engine = pipedp.wrap(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=nn.CrossEntropyLoss(),
+                         microbatches=4, kernels="tvm", kernel_db=str(db), profile=False, progress=False,
+                         sample=(7, 3, 16, 16))
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(7, 3, 16, 16, generator=g), torch.randint(0, 10, (7,), generator=g)
+    engine.train_step(x, y)
+    assert {sym for sym, _ in calls} == set(lib._funcs)  # every tuned kernel of both layers ran ...
+    assert {n for _, n in calls} == {1, 2}  # ... at microbatch sizes never tuned
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for xs, ys in zip(x.split(2), y.split(2)):
+        (nn.CrossEntropyLoss()(ref(xs), ys) * len(ys) / 7).backward()
+    opt.step()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
