@@ -11,11 +11,15 @@ floating-point summation order; the exactness check is one step's gradients
 from the same weights, since training amplifies rounding).
 
 The kernels come from ``--db``; ``--tune`` first runs ``tune-kernels`` on the
-model at this input shape and layout.
+model at this input shape and layout. ``--layout best`` runs the model in
+both memory formats, with and without the kernels (four runs, alternating),
+and compares the faster of each: what a user who picks torch's best layout
+gets, against the kernels in theirs.
 
     python -m experiments.bench_kernels_train --tune --trials 8 --db /tmp/pipedp-kernels \
         --out experiments/results/kernels_train_cpu.json
     python -m experiments.bench_kernels_train --model path/to/file.py:factory --input-shape 32,3,64,64 --db DIR
+    python -m experiments.bench_kernels_train --device cuda --input-shape 128,3,32,32 --layout best --db DIR
 """
 
 from __future__ import annotations
@@ -81,7 +85,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--model", default="mobilenet_v2", help="zoo name or path/to/file.py:factory (as tune-kernels)")
     p.add_argument("--input-shape", default="64,3,32,32", help="N,C,H,W of a training batch")
     p.add_argument("--num-classes", type=int, default=10)
-    p.add_argument("--layout", choices=["nhwc", "nchw"], default="nhwc", help="activation memory format of both runs")
+    p.add_argument("--layout", choices=["nhwc", "nchw", "best"], default="nhwc",
+                   help="activation memory format of both runs (best: both, each with and without the kernels)")
     p.add_argument("--kernels", choices=["faster", "tvm"], default="faster",
                    help="faster: kernels='auto' (each of a layer's kernels only where its tuning beat torch); "
                         "tvm: every tuned kernel")
@@ -104,57 +109,78 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = torch.device(args.device)
     if not allocator.measure_with(args.allocator):
         raise SystemExit("bench_kernels_train: --allocator reuse needs glibc (mallopt); use --allocator default")
+    layouts = ["nchw", "nhwc"] if args.layout == "best" else [args.layout]
     if args.tune:
         from pipedp.kernels.tvm import cli
 
         status = cli.main(["--model", args.model, "--input-shape", args.input_shape, "--target", device.type,
-                           "--trials", str(args.trials), "--layouts", args.layout, "--db", args.db,
+                           "--trials", str(args.trials), "--layouts", ",".join(layouts), "--db", args.db,
                            "--num-classes", str(args.num_classes), "--allocator", args.allocator, "--no-progress"])
         if status != 0:
             raise SystemExit(f"bench_kernels_train: tune-kernels failed (exit status {status}, reason above)")
-    fmt = torch.channels_last if args.layout == "nhwc" else torch.contiguous_format
     torch.manual_seed(args.seed)
     try:
-        plain = load_model(args.model, args.num_classes)
+        base = load_model(args.model, args.num_classes)
     except ValueError as e:  # an unknown zoo name or a model file without its factory
         raise SystemExit(f"bench_kernels_train: {e}") from e
-    plain = plain.to(device, memory_format=fmt)
-    tuned = copy.deepcopy(plain)
-    try:
-        swapped = swap_depthwise(tuned, "auto" if args.kernels == "faster" else "tvm", args.db, device).count
-    except RuntimeError:  # no export for this device in the db
-        swapped = 0
+    g = torch.Generator().manual_seed(args.seed)
+    data = [(torch.randn(shape, generator=g), torch.randint(0, args.num_classes, (shape[0],), generator=g))
+            for _ in range(args.window)]
+    models: dict[str, nn.Module] = {}
+    batches: dict[str, list] = {}
+    swapped_by_layout: dict[str, int] = {}
+    grad_diff = 0.0
+    for layout in layouts:  # the same weights and batches in every run
+        fmt = torch.channels_last if layout == "nhwc" else torch.contiguous_format
+        suffix = f" {layout}" if len(layouts) > 1 else ""
+        plain = copy.deepcopy(base).to(device, memory_format=fmt)
+        tuned = copy.deepcopy(plain)
+        try:
+            count = swap_depthwise(tuned, "auto" if args.kernels == "faster" else "tvm", args.db, device).count
+        except RuntimeError:  # no export for this device in the db
+            count = 0
+        swapped_by_layout[layout] = count  # (0 in one layout of --layout best: auto kept torch there)
+        batches[layout] = [(x.to(device).contiguous(memory_format=fmt), y.to(device)) for x, y in data]
+        grad_diff = max(grad_diff, _grad_difference(plain, tuned, *batches[layout][0]))
+        models[f"plain{suffix}"], models[f"kernels{suffix}"] = plain, tuned
+    swapped = max(swapped_by_layout.values())
     if swapped == 0:
         raise SystemExit(f"bench_kernels_train: no depthwise layer swapped: {args.db} has no kernels for {device} "
                          "(run with --tune, or tune-kernels), or kernels='auto' left them to torch (see the log)")
-    g = torch.Generator().manual_seed(args.seed)
-    batches = [(torch.randn(shape, generator=g).to(device).contiguous(memory_format=fmt),
-                torch.randint(0, args.num_classes, (shape[0],), generator=g).to(device)) for _ in range(args.window)]
-    grad_diff = _grad_difference(plain, tuned, *batches[0])
-    runs = {"plain": train_step(plain), "kernels": train_step(tuned)}
+    runs = {name: train_step(m) for name, m in models.items()}
+    data_of = {name: batches[name.split()[-1] if len(layouts) > 1 else layouts[0]] for name in runs}
     times: dict[str, list[float]] = {k: [] for k in runs}
     losses: dict[str, list[float]] = {k: [] for k in runs}
     for name, step in runs.items():  # warm-up: first-call costs (library load, allocator) stay out
-        losses[name] += _window(step, batches, device)[1]
-    order = ["plain", "kernels", "kernels", "plain"]
-    for i in range(args.windows * 2):
-        name = order[i % 4]
-        secs, ls = _window(runs[name], batches, device)
+        losses[name] += _window(step, data_of[name], device)[1]
+    names = list(runs)
+    order = names + names[::-1]  # (plain, kernels, kernels, plain): each run early and late alike
+    for i in range(args.windows * len(names)):
+        name = order[i % len(order)]
+        secs, ls = _window(runs[name], data_of[name], device)
         times[name].append(secs / args.window)
         losses[name] += ls
     med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
-    diff = max(abs(a - b) for a, b in zip(losses["plain"], losses["kernels"], strict=True))
+    plain_best = min((k for k in med if k.startswith("plain")), key=med.get)
+    kernels_best = min((k for k in med if k.startswith("kernels")), key=med.get)
+    diff = max(abs(a - b) for layout in layouts for a, b in zip(
+        losses[f"plain{' ' + layout if len(layouts) > 1 else ''}"],
+        losses[f"kernels{' ' + layout if len(layouts) > 1 else ''}"], strict=True))
     report = {
         "benchmark": "bench_kernels_train", "date": time.strftime("%Y-%m-%d"), "machine": describe(device),
-        "settings": vars(args), "depthwise_layers_swapped": swapped, "step_s": times,
+        "settings": vars(args), "depthwise_layers_swapped": swapped, "swapped_by_layout": swapped_by_layout,
+        "step_s": times,
         "median_step_s": med, "images_per_s": {k: shape[0] / v for k, v in med.items()},
-        "speedup": med["plain"] / med["kernels"], "grad_rel_diff": grad_diff, "max_loss_diff": diff,
-        "losses": losses,
+        "speedup": med[plain_best] / med[kernels_best], "plain_best": plain_best, "kernels_best": kernels_best,
+        "speedup_same_layout": {layout: med[f"plain {layout}"] / med[f"kernels {layout}"] for layout in layouts}
+        if len(layouts) > 1 else {layouts[0]: med["plain"] / med["kernels"]},
+        "grad_rel_diff": grad_diff, "max_loss_diff": diff, "losses": losses,
     }
     print(f"{args.model} input {args.input_shape} {args.layout} on {device}: "
-          f"plain {med['plain'] * 1e3:.1f} ms/step, kernels={args.kernels} {med['kernels'] * 1e3:.1f} ms/step, "
-          f"speedup {report['speedup']:.2f}x ({swapped} depthwise layers); gradients of one step differ by "
-          f"{grad_diff:.1e} of the largest, losses after {len(losses['plain'])} steps by {diff:.1e}")
+          f"plain ({plain_best}) {med[plain_best] * 1e3:.1f} ms/step, kernels={args.kernels} ({kernels_best}) "
+          f"{med[kernels_best] * 1e3:.1f} ms/step, speedup {report['speedup']:.2f}x ({swapped} depthwise layers); "
+          f"gradients of one step differ by {grad_diff:.1e} of the largest, losses after "
+          f"{len(losses[plain_best])} steps by {diff:.1e}")
     if not grad_diff <= 1e-4:
         print("warning: one step's gradients differ by more than summation order explains")
     if args.out:

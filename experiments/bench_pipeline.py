@@ -1,15 +1,23 @@
-"""Benchmark: plain PyTorch training vs pipedp on CIFAR-shaped ResNets.
+"""Benchmark: pipedp against the strongest single-device baselines, model by batch size by numerics.
 
-Every configuration trains its own copy of the same model on the same
-synthetic batch; timing windows alternate between configurations (round
-robin, several rounds) so all of them see the same machine state, and the
-median window gives images/s. Ratios are against plain eager training at the
-same batch size. Peak memory is measured for each configuration on its own
-(CUDA allocator peak, or the peak RSS of a child process on CPU). On CUDA the
-stream overlap of a pipelined step is read from a profiler trace.
+For each model, batch size and numerics (fp32; bf16 autocast + channels_last)
+every configuration trains its own copy of the same model on the same
+synthetic batch: the baselines of :mod:`experiments.baselines` (eager,
+CUDA-graphed eager, ``torch.compile`` default and max-autotune) and pipedp
+rows (``stages="auto"`` with ``microbatches="auto"``; fixed S x M; with and
+without ``cuda_graph`` and ``compile``). Timing windows alternate between the
+configurations of a group (round robin, several rounds) in this one process,
+and the median window gives images/s. Ratios are against the best baseline of
+the same group (and against eager). Setup time (build, compile, capture,
+stages="auto" trials, warm-up) is reported apart. On CUDA each configuration
+also gets its peak memory (rebuilt alone with the plan it chose) and, from a
+profiler trace, the GPU busy fraction and the share of busy time with two or
+more streams active (:mod:`pipedp.pipeline.busy`). What cannot run on this
+device (CUDA graphs on a CPU; torch.compile on a CPU unless asked) is skipped
+with the reason in the JSON.
 
-    python -m experiments.bench_pipeline --device cpu --models resnet18
-    python -m experiments.bench_pipeline --device cuda --out experiments/results/pipeline_h100.json
+    python -m experiments.bench_pipeline --device cpu --quick
+    python -m experiments.bench_pipeline --device cuda --models resnet18 --batch 32,64,128,256 --out r18.json
 """
 
 from __future__ import annotations
@@ -25,133 +33,111 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import pipedp
 from pipedp import console
-from pipedp.models import get_model
-from pipedp.pipeline.graphed import fresh_cublas_workspaces
+from pipedp.pipeline.busy import busy_time, kernel_intervals
 
+from .baselines import BASELINES, Numerics, Step, in_format, make_baseline, numerics, prepare, skip_reason
 from .machine import describe, sync
 from .report import write_json
+from .workload import Workload, parse_ints, parse_workload
 
 PROG = "python -m experiments.bench_pipeline"
-Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
 class Config:
-    """One way to train: plain PyTorch (eager, CUDA-graphed or compiled) or pipedp."""
+    """One way to train: a baseline (see :mod:`experiments.baselines`) or pipedp with some options."""
 
     name: str
-    kind: str = "plain"  # "plain" or "pipedp"
-    stages: object = 1
-    microbatches: int = 1
+    kind: str = "baseline"  # "baseline" or "pipedp"
+    baseline: str = "eager"
+    stages: object = "auto"
+    microbatches: object = "auto"
     schedule: str = "1f1b"
     graph: bool = False
     compile: bool = False
+    recompute: bool = False
+    branches: bool = False  # pipedp's concurrency pieces (stages="auto" keeps them only where trials find them faster)
+    split_grads: bool = False
 
 
 def parse_config(text: str) -> Config:
-    """``plain``, ``plain+graph``, ``plain+compile`` or ``pipedp:S=2,M=4[,gpipe][,graph]``."""
-    if text in ("plain", "plain+graph", "plain+compile"):
-        return Config(text, graph=text.endswith("graph"), compile=text.endswith("compile"))
-    if not text.startswith("pipedp"):
-        raise ValueError(f"unknown config {text!r}: plain, plain+graph, plain+compile or pipedp:S=..,M=..[,gpipe][,graph]")
+    """A baseline name (``eager``, ``graph``, ``compile``, ``max-autotune``) or
+    ``pipedp[:S=auto|N,M=auto|N][,gpipe][,graph][,compile][,recompute][,branches][,split_grads]``
+    (S and M default to auto)."""
+    text = text.strip()
+    if text in BASELINES:
+        return Config(text, baseline=text)
+    if text != "pipedp" and not text.startswith("pipedp:"):
+        raise ValueError(f"unknown config {text!r}: {', '.join(BASELINES)} or "
+                         f"pipedp[:S=..,M=..][,gpipe][,graph][,compile][,recompute][,branches][,split_grads]")
     kw: dict[str, object] = {}
     for part in text.partition(":")[2].split(","):
         if not part:
             continue
         if part in ("gpipe", "1f1b"):
             kw["schedule"] = part
-        elif part == "graph":
-            kw["graph"] = True
-        elif part.startswith("S="):
-            v = part[2:]
-            kw["stages"] = v if v == "auto" else int(v)
-        elif part.startswith("M="):
-            kw["microbatches"] = int(part[2:])
+        elif part in ("graph", "compile", "recompute", "branches", "split_grads"):
+            kw[part] = True
+        elif part[:2] in ("S=", "M=") and (part[2:] == "auto" or part[2:].isdigit()):
+            kw["stages" if part[0] == "S" else "microbatches"] = part[2:] if part[2:] == "auto" else int(part[2:])
         else:
             raise ValueError(f"config {text!r}: cannot read {part!r}")
     return Config(text, kind="pipedp", **kw)  # type: ignore[arg-type]
 
 
 DEFAULT = {
-    "cpu": ["plain", "pipedp:S=1,M=1", "pipedp:S=1,M=2", "pipedp:S=1,M=4", "pipedp:S=2,M=4", "pipedp:S=4,M=4"],
-    "cuda": [
-        "plain", "plain+graph",
-        "pipedp:S=1,M=1", "pipedp:S=2,M=2", "pipedp:S=4,M=4",
-        "pipedp:S=1,M=1,graph", "pipedp:S=2,M=2,graph", "pipedp:S=2,M=4,graph",
-        "pipedp:S=3,M=3,graph", "pipedp:S=4,M=4,graph",
-    ],
+    "cpu": ["eager", "graph", "compile", "max-autotune", "pipedp", "pipedp:S=1,M=2", "pipedp:S=2,M=2"],
+    "cuda": ["eager", "graph", "compile", "max-autotune",
+             "pipedp:graph", "pipedp:graph,compile", "pipedp:graph,branches,split_grads",
+             "pipedp:S=1,M=1,graph", "pipedp:S=2,M=2,graph",
+             "pipedp:S=2,M=4,graph", "pipedp:S=1,M=4,graph,recompute"],
 }
 
 
-def _plain_step(model: nn.Module, opt: torch.optim.Optimizer) -> Step:
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss.detach()
-
-    return step
+def pipedp_skip_reason(cfg: Config, device: torch.device, compile_on_cpu: bool) -> str | None:
+    if device.type != "cuda" and cfg.graph:
+        return "cuda_graph=True needs a CUDA device"
+    if device.type != "cuda" and cfg.compile and not compile_on_cpu:
+        return "torch.compile on a CPU takes minutes per model: pass --compile-on-cpu to time it"
+    return None
 
 
-def _graphed_plain_step(model: nn.Module, opt: torch.optim.Optimizer, x0: torch.Tensor, y0: torch.Tensor) -> Step:
-    """Plain training captured whole as a CUDA graph (PyTorch's documented recipe)."""
-    eager = _plain_step(model, opt)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            eager(x0, y0)
-    torch.cuda.current_stream().wait_stream(side)
-    sx, sy = x0.clone(), y0.clone()
-    graph = torch.cuda.CUDAGraph()
-    opt.zero_grad(set_to_none=True)
-    # Own capture stream and fresh cuBLAS workspaces: several graphs live in
-    # this process (see pipedp.pipeline.graphed and pytorch/pytorch#193402).
-    fresh_cublas_workspaces()
-    with torch.cuda.graph(graph, stream=torch.cuda.Stream()):
-        loss = F.cross_entropy(model(sx), sy)
-        loss.backward()
-        opt.step()
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        sx.copy_(x, non_blocking=True)
-        sy.copy_(y, non_blocking=True)
-        graph.replay()
-        return loss.detach().clone()
-
-    # The graph writes into the model's buffers and the optimizer's state:
-    # they must live as long as the step does.
-    step.owners = (model, opt)  # type: ignore[attr-defined]
-    return step
-
-
-def make_step(cfg: Config, model: nn.Module, x: torch.Tensor, y: torch.Tensor, profile: bool) -> tuple[Step, object]:
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    if cfg.kind == "plain":
-        if cfg.compile:
-            return _plain_step(torch.compile(model), opt), None
-        if cfg.graph:
-            return _graphed_plain_step(model, opt, x, y), None
-        return _plain_step(model, opt), None
+def make_step(cfg: Config, num: Numerics, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+              profile: bool) -> tuple[Step, object]:
+    """The training step of ``cfg`` (and its pipedp engine, None for a baseline)."""
+    if cfg.kind == "baseline":
+        model, x = prepare(model, x, num)
+        return make_baseline(cfg.baseline, num, model, x, y), None
     engine = pipedp.wrap(
-        model, optimizer=opt, loss_fn=nn.CrossEntropyLoss(), microbatches=cfg.microbatches,
-        stages=cfg.stages, schedule=cfg.schedule, devices=x.device, profile=profile,
-        sample=x, cuda_graph=cfg.graph, progress=False,
+        model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), loss_fn=nn.CrossEntropyLoss(),
+        microbatches=cfg.microbatches, stages=cfg.stages, schedule=cfg.schedule,  # type: ignore[arg-type]
+        devices=x.device, profile=profile, sample=x, cuda_graph=cfg.graph, progress=False,
+        precision=num.precision, channels_last=num.channels_last, compile=cfg.compile, recompute=cfg.recompute,
+        branches=cfg.branches, split_grads=cfg.split_grads,
     )
     return engine.train_step, engine
 
 
-def stream_overlap(step: Step, x: torch.Tensor, y: torch.Tensor, steps: int = 3) -> dict[str, float]:
-    """From a profiler trace: GPU busy time, and the share of it with kernels on 2+ streams at once."""
+def _chosen(cfg: Config, engine: object) -> Config:
+    """``cfg`` with the plan its engine chose, so that a rebuild runs it without trials."""
+    if engine is None:
+        return cfg
+    plan = engine.plan  # type: ignore[attr-defined]
+    stages = 1 if len(plan.counts) == 1 else list(plan.counts)
+    concurrent = plan.label.endswith(" concurrent") or cfg.stages != "auto"
+    return replace(cfg, stages=stages, microbatches=plan.microbatches, compile=plan.compiled,
+                   branches=cfg.branches and concurrent, split_grads=cfg.split_grads and concurrent)
+
+
+def gpu_busy(step: Step, x: torch.Tensor, y: torch.Tensor, steps: int = 3) -> dict[str, float]:
+    """From a profiler trace of ``steps`` steps: GPU busy fraction and the busy share with 2+ streams active."""
     from torch.profiler import ProfilerActivity, profile
 
     sync(x.device)
@@ -162,26 +148,9 @@ def stream_overlap(step: Step, x: torch.Tensor, y: torch.Tensor, steps: int = 3)
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         with open(f.name) as fh:
-            trace = json.load(fh)
-    points: list[tuple[float, int]] = []
-    streams = set()
-    for ev in trace.get("traceEvents", []):
-        if ev.get("cat") == "kernel" and "dur" in ev:
-            t0, t1 = float(ev["ts"]), float(ev["ts"]) + float(ev["dur"])
-            points += [(t0, 1), (t1, -1)]
-            streams.add(ev.get("args", {}).get("stream"))
-    points.sort()
-    busy = multi = 0.0
-    depth, last = 0, None
-    for t, d in points:
-        if last is not None and depth > 0:
-            busy += t - last
-            if depth > 1:
-                multi += t - last
-        depth += d
-        last = t
-    return {"kernel_streams": len(streams), "gpu_busy_ms_per_step": busy / 1e3 / steps,
-            "overlap_fraction": multi / busy if busy else 0.0}
+            b = busy_time(kernel_intervals(json.load(fh)))
+    return {"busy_fraction": b.busy_fraction, "concurrent_share": b.concurrent_share, "kernel_streams": b.streams,
+            "gpu_busy_ms_per_step": b.busy / 1e3 / steps}
 
 
 def _peak_rss_mib() -> float:
@@ -198,31 +167,31 @@ def _peak_rss_mib() -> float:
 
 def _rss_probe(args: tuple) -> float:
     """Child process: peak RSS growth (MiB) from before building the config through two steps."""
-    cfg, model_name, batch, threads = args
+    cfg, num, work, batch, width, threads = args
     torch.set_num_threads(threads)
-    torch.manual_seed(0)
-    model = get_model(model_name)
-    x, y = torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,))
+    model = work.build(width)
+    x, y = work.batch(batch, torch.device("cpu"))
     gc.collect()
     base = _peak_rss_mib()
-    step, _ = make_step(cfg, model, x, y, profile=False)
+    step, _ = make_step(cfg, num, model, x, y, profile=False)
     for _ in range(2):
         step(x, y)
     return _peak_rss_mib() - base
 
 
-def peak_memory_mib(cfg: Config, model_name: str, device: torch.device, batch: int, profile: bool) -> float:
+def peak_memory_mib(cfg: Config, num: Numerics, work: Workload, batch: int, device: torch.device,
+                    width: int) -> float:
+    """Peak memory of ``cfg`` built alone: CUDA allocator peak over its model, or a child process's RSS on CPU."""
     if device.type == "cpu":
         with mp.get_context("spawn").Pool(1) as pool:
-            return pool.map(_rss_probe, [(cfg, model_name, batch, torch.get_num_threads())])[0]
+            return pool.map(_rss_probe, [(cfg, num, work, batch, width, torch.get_num_threads())])[0]
     gc.collect()
     torch.cuda.empty_cache()
-    torch.manual_seed(0)
-    model = get_model(model_name).to(device)
-    x, y = torch.randn(batch, 3, 32, 32, device=device), torch.randint(0, 10, (batch,), device=device)
+    model = work.build(width).to(device)
+    x, y = work.batch(batch, device)
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    step, engine = make_step(cfg, model, x, y, profile)
+    step, engine = make_step(cfg, num, model, x, y, profile=False)
     for _ in range(4):
         step(x, y)
     sync(device)
@@ -233,159 +202,187 @@ def peak_memory_mib(cfg: Config, model_name: str, device: torch.device, batch: i
     return peak
 
 
-def bench_model(name: str, configs: list[Config], args: argparse.Namespace, device: torch.device) -> dict:
-    torch.manual_seed(0)
-    base_model = get_model(name).to(device)
-    x = torch.randn(args.batch, 3, 32, 32, device=device)
-    y = torch.randint(0, 10, (args.batch,), device=device)
-    if args.channels_last:
-        base_model = base_model.to(memory_format=torch.channels_last)
-        x = x.contiguous(memory_format=torch.channels_last)
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def bench_group(work: Workload, batch: int, num: Numerics, configs: list[Config], args: argparse.Namespace,
+                device: torch.device) -> dict:
+    """All configurations of one model, batch size and numerics, timed in alternating windows."""
+    base_model = work.build(args.width).to(device)
+    x, y = work.batch(batch, device)
+    xi = in_format(x, num)  # the batch as every configuration of this numerics takes it
     steps: dict[str, Step] = {}
-    plans: dict[str, str] = {}
     engines: dict[str, object] = {}
     errors: dict[str, str] = {}
+    skipped: dict[str, str] = {}
+    setup: dict[str, float] = {}
+    where = f"{work.name} b{batch} {num.name}"
     for cfg in configs:
+        why = (skip_reason(cfg.baseline, device, args.compile_on_cpu) if cfg.kind == "baseline"
+               else pipedp_skip_reason(cfg, device, args.compile_on_cpu))
+        if why is not None:
+            skipped[cfg.name] = why
+            continue
         t0 = time.perf_counter()
         try:
-            step, engine = make_step(cfg, copy.deepcopy(base_model), x, y, args.profile)
+            step, engine = make_step(cfg, num, copy.deepcopy(base_model), x, y, args.profile)
             for _ in range(args.warmup):
-                step(x, y)
+                step(xi, y)
             sync(device)
         except Exception as e:  # report and go on with the other configurations
             errors[cfg.name] = f"{type(e).__name__}: {e}"
-            print(f"  {name} {cfg.name}: FAILED {errors[cfg.name][:300]}", file=sys.stderr, flush=True)
+            _log(f"  {where} {cfg.name}: FAILED {errors[cfg.name][:300]}")
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
             continue
         steps[cfg.name] = step
+        setup[cfg.name] = time.perf_counter() - t0
         if engine is not None:
             engines[cfg.name] = engine
-        print(f"  {name} {cfg.name}: ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-    configs = [c for c in configs if c.name in steps]
-    windows: dict[str, list[float]] = {c.name: [] for c in configs}
+        _log(f"  {where} {cfg.name}: ready in {setup[cfg.name]:.1f} s")
+    ran = [c for c in configs if c.name in steps]
+    windows: dict[str, list[float]] = {c.name: [] for c in ran}
     for _ in range(args.rounds):
-        for cfg in configs:
-            step = steps[cfg.name]
-            if args.verbose:
-                print(f"  window {cfg.name}", file=sys.stderr, flush=True)
+        for cfg in ran:
             sync(device)
             t0 = time.perf_counter()
             for _ in range(args.steps):
-                step(x, y)
+                steps[cfg.name](xi, y)
             sync(device)
-            windows[cfg.name].append(args.steps * args.batch / (time.perf_counter() - t0))
-    for cname, engine in engines.items():
-        plans[cname] = str(engine.plan)  # type: ignore[attr-defined]
-    rows = {}
-    plain = statistics.median(windows["plain"]) if "plain" in windows else None
-    for cfg in configs:
-        ips = statistics.median(windows[cfg.name])
+            windows[cfg.name].append(args.steps * batch / (time.perf_counter() - t0))
+    ips = {c.name: statistics.median(windows[c.name]) for c in ran}
+    baselines = [c.name for c in ran if c.kind == "baseline"]
+    best = max(baselines, key=lambda n: ips[n]) if baselines else None
+    eager = ips.get("eager")
+    rows: dict[str, dict] = {}
+    for cfg in ran:
+        engine = engines.get(cfg.name)
+        plan = engine.plan if engine is not None else None  # type: ignore[attr-defined]
         rows[cfg.name] = {
-            "config": asdict(cfg),
-            "images_per_s": ips,
-            "images_per_s_windows": windows[cfg.name],
-            "speedup_vs_plain": ips / plain if plain else None,
-            "plan": plans.get(cfg.name),
+            "config": asdict(cfg), "images_per_s": ips[cfg.name], "images_per_s_windows": windows[cfg.name],
+            "setup_s": setup[cfg.name],
+            "vs_best_baseline": ips[cfg.name] / ips[best] if best else None,
+            "vs_eager": ips[cfg.name] / eager if eager else None,
+            "plan": str(plan) if plan is not None else None,
+            "plan_label": plan.label if plan is not None else None,
         }
-    pipedp_rows = [c for c in configs if c.kind == "pipedp"]
-    best = max(pipedp_rows, key=lambda c: rows[c.name]["images_per_s"]) if pipedp_rows else None
-    overlap: dict[str, object] | None = None
-    if device.type == "cuda" and best is not None and args.overlap:
-        overlap = {}
-        for cfg in pipedp_rows:
-            if cfg.stages != 1:
-                try:
-                    overlap[cfg.name] = stream_overlap(steps[cfg.name], x, y)
-                except Exception as e:
-                    errors[f"overlap {cfg.name}"] = f"{type(e).__name__}: {e}"
-    if args.memory:
-        for cfg in configs:
-            # Same cut as the timed engine, without profiling it again.
-            engine = engines.get(cfg.name)
-            same = cfg
-            if engine is not None:
-                counts = list(engine.plan.counts)  # type: ignore[attr-defined]
-                same = replace(cfg, stages=1 if len(counts) == 1 else counts)
+    if device.type == "cuda" and args.busy:
+        for cfg in ran:
             try:
-                rows[cfg.name]["peak_memory_mib"] = peak_memory_mib(same, name, device, args.batch, False)
+                rows[cfg.name]["gpu"] = gpu_busy(steps[cfg.name], xi, y)
             except Exception as e:
-                errors[f"memory {cfg.name}"] = f"{type(e).__name__}: {e}"
+                errors[f"busy {cfg.name}"] = f"{type(e).__name__}: {e}"
+    chosen = {c.name: _chosen(c, engines.get(c.name)) for c in ran}
     del steps, engines
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"rows": rows, "best_pipedp": best.name if best else None, "stream_overlap": overlap, "errors": errors}
+    if args.memory:
+        for cfg in ran:
+            try:
+                rows[cfg.name]["peak_memory_mib"] = peak_memory_mib(chosen[cfg.name], num, work, batch, device,
+                                                                    args.width)
+            except Exception as e:
+                errors[f"memory {cfg.name}"] = f"{type(e).__name__}: {e}"
+    return {"rows": rows, "best_baseline": best, "skipped": skipped, "errors": errors}
 
 
-def print_table(results: dict, machine: dict) -> None:
-    print(f"\nmachine: {machine}")
-    print(f"{'model':<9} {'config':<26} {'img/s':>9} {'x plain':>8} {'peak MiB':>9}")
-    for model, res in results.items():
-        for cname, row in res["rows"].items():
-            mem = row.get("peak_memory_mib")
-            star = " *" if cname == res["best_pipedp"] else ""
-            ratio = row["speedup_vs_plain"]
-            print(
-                f"{model:<9} {cname:<26} {row['images_per_s']:>9.1f} "
-                f"{(f'{ratio:.3f}' if ratio else '-'):>8} {(f'{mem:.0f}' if mem is not None else '-'):>9}{star}"
-            )
-        for cname, err in res.get("errors", {}).items():
-            print(f"{model:<9} {cname:<26} FAILED: {err[:200]}")
-        if res.get("stream_overlap"):
-            for cname, ov in res["stream_overlap"].items():
-                print(f"{'':<9} overlap {cname}: {ov['overlap_fraction']:.1%} of GPU-busy time on 2+ streams "
-                      f"({ov['kernel_streams']} streams, {ov['gpu_busy_ms_per_step']:.2f} ms busy/step)")
-    print("(* best pipedp configuration; ratios are medians of alternating windows in this one process)")
+def print_group(work: Workload, batch: int, num: Numerics, res: dict) -> None:
+    print(f"\n{work.name}, batch {batch}, {num.name} (best baseline: {res['best_baseline']})")
+    print(f"  {'config':<34} {'img/s':>9} {'x best':>7} {'x eager':>8} {'setup s':>8} {'peak MiB':>9} {'busy':>6} "
+          f"{'2+str':>6}")
+    for cname, row in res["rows"].items():
+        def f(v: object, spec: str) -> str:
+            return "-" if v is None else format(v, spec)
+
+        gpu = row.get("gpu", {})
+        print(f"  {cname:<34} {row['images_per_s']:>9.1f} {f(row['vs_best_baseline'], '.3f'):>7} "
+              f"{f(row['vs_eager'], '.3f'):>8} {row['setup_s']:>8.1f} {f(row.get('peak_memory_mib'), '.0f'):>9} "
+              f"{f(gpu.get('busy_fraction'), '.0%'):>6} {f(gpu.get('concurrent_share'), '.0%'):>6}")
+        if row["plan_label"] and row["config"]["stages"] == "auto":
+            print(f"  {'':<34} stages=auto chose {row['plan_label']}")
+    for cname, why in res["skipped"].items():
+        print(f"  {cname:<34} skipped: {why}")
+    for cname, err in res["errors"].items():
+        print(f"  {cname:<34} FAILED: {err[:200]}")
 
 
 def _parser() -> argparse.ArgumentParser:
     p = console.make_parser(PROG, __doc__)
-    p.add_argument("--models", default="resnet18,resnet34,resnet50", help="comma list of models")
+    p.add_argument("--models", default="resnet18,resnet34,resnet50",
+                   help="comma list of model specs name[@size][/classes], e.g. resnet50@224/101")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda[:i]")
-    p.add_argument("--batch", type=int, default=128, help="images per step")
+    p.add_argument("--batch", default="128", help="comma list of batch sizes")
+    p.add_argument("--numerics", default="fp32,bf16cl", help="comma list: fp32, bf16cl (bf16 autocast + "
+                   "channels_last)")
     p.add_argument("--configs", default=None, help="';' between configs (see parse_config); default: this device's "
                    "standard set")
-    p.add_argument("--steps", type=int, default=None, help="steps per timing window; default: 15 on CUDA, 2 on CPU")
+    p.add_argument("--steps", type=int, default=None, help="steps per timing window; default: 10 on CUDA, 2 on CPU")
     p.add_argument("--rounds", type=int, default=4, help="alternating windows per config")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per config first")
+    p.add_argument("--width", type=int, default=None, help="ResNet base width (default 64; 8 with --quick)")
     p.add_argument("--profile", action=argparse.BooleanOptionalAction, default=None,
-                   help="profile blocks (None: on CUDA) or use the cost model")
-    p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
-                   help="measure each configuration's peak memory")
-    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
-                   help="read the stream overlap of a pipelined step from a profiler trace (CUDA)")
-    p.add_argument("--channels-last", action="store_true", help="channels_last model and batch")
+                   help="pipedp profiles blocks (None: on CUDA) or uses the cost model")
+    p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=None,
+                   help="measure each configuration's peak memory (default: on, off with --quick)")
+    p.add_argument("--busy", action=argparse.BooleanOptionalAction, default=True,
+                   help="GPU busy fraction and stream concurrency of every configuration from a profiler trace (CUDA)")
+    p.add_argument("--compile-on-cpu", action="store_true", help="time torch.compile rows on a CPU too (slow)")
     p.add_argument("--cudnn-benchmark", action=argparse.BooleanOptionalAction, default=True,
                    help="torch.backends.cudnn.benchmark for every configuration (CUDA)")
-    p.add_argument("--out", default=None, help="write results JSON here")
-    p.add_argument("--verbose", action="store_true", help="log every timing window")
+    p.add_argument("--quick", action="store_true", help="a smoke run: resnet18 of width 8, batch 8, 1 step per "
+                   "window, 2 rounds, no memory probes")
+    p.add_argument("--out", default=None, help="write results JSON here (after every group)")
     return p
+
+
+def _defaults(args: argparse.Namespace, device: torch.device) -> None:
+    if args.quick:
+        if args.models == _parser().get_default("models"):
+            args.models = "resnet18"
+        if args.batch == _parser().get_default("batch"):
+            args.batch = "8"
+        args.width = args.width or 8
+        args.steps = args.steps or 1
+        args.rounds, args.warmup = min(args.rounds, 2), min(args.warmup, 1)
+        args.memory = bool(args.memory)
+    args.width = args.width or 64
+    args.steps = args.steps or (10 if device.type == "cuda" else 2)
+    args.memory = True if args.memory is None else args.memory
+    args.profile = device.type == "cuda" if args.profile is None else args.profile
 
 
 def bench(argv: Sequence[str] | None = None) -> dict:
     """Run the benchmark for ``argv``; the results (also written to --out when given)."""
     args = _parser().parse_args(argv)
     device = torch.device(args.device)
-    if args.profile is None:
-        args.profile = device.type == "cuda"
-    if args.steps is None:
-        args.steps = 15 if device.type == "cuda" else 2
+    _defaults(args, device)
     names = args.configs.split(";") if args.configs else DEFAULT["cuda" if device.type == "cuda" else "cpu"]
-    configs = [parse_config(c.strip()) for c in names]
-    if "plain" not in [c.name for c in configs]:
-        configs.insert(0, parse_config("plain"))
+    configs = [parse_config(c) for c in names if c.strip()]
+    if len({c.name for c in configs}) != len(configs):
+        raise ValueError(f"--configs names a configuration twice: {args.configs!r}")
+    works = [parse_workload(m) for m in args.models.split(",")]
+    batches = parse_ints(args.batch, "--batch")
+    nums = [numerics(n.strip()) for n in args.numerics.split(",")]
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = args.cudnn_benchmark
     machine = describe(device)
     results: dict[str, dict] = {}
-    out = {"machine": machine, "date": time.strftime("%Y-%m-%d"), "batch": args.batch,
-           "steps_per_window": args.steps, "rounds": args.rounds, "cudnn_benchmark": args.cudnn_benchmark,
-           "channels_last": args.channels_last, "results": results}
-    for name in args.models.split(","):
-        print(f"benchmarking {name} (batch {args.batch}) on {device}", file=sys.stderr, flush=True)
-        results[name] = bench_model(name, configs, args, device)
-        if args.out:  # after every model, so a cut-off run keeps what it measured
-            write_json(args.out, out)
-    print_table(results, machine)
+    out = {"machine": machine, "date": time.strftime("%Y-%m-%d"), "steps_per_window": args.steps,
+           "rounds": args.rounds, "warmup": args.warmup, "width": args.width, "cudnn_benchmark": args.cudnn_benchmark,
+           "configs": [c.name for c in configs], "results": results}
+    for work in works:
+        for b in batches:
+            for num in nums:
+                _log(f"benchmarking {work.name} (batch {b}, {num.name}) on {device}")
+                res = bench_group(work, b, num, configs, args, device)
+                results.setdefault(work.name, {}).setdefault(str(b), {})[num.name] = res
+                print_group(work, b, num, res)
+                if args.out:  # after every group, so a cut-off run keeps what it measured
+                    write_json(args.out, out)
+    print(f"\nmachine: {machine}\n(ratios are medians of alternating windows in this one process)")
     return out
 
 

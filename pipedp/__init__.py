@@ -13,10 +13,13 @@ from . import data  # noqa: E402
 from .api import wrap  # noqa: E402
 from .distributed import DistributedError  # noqa: E402
 from .engine import Engine  # noqa: E402
-from .options import DataParallelOptions, KernelOptions, PipelineOptions, TrainingOptions  # noqa: E402
+from .options import (  # noqa: E402
+    ConcurrencyOptions, DataParallelOptions, KernelOptions, PipelineOptions, TrainingOptions,
+)
 from .plan import Plan, StagePlan  # noqa: E402
+from .advisor import advise  # noqa: E402
 
 __all__ = [
     "wrap", "Engine", "PipelineOptions", "DataParallelOptions", "KernelOptions", "TrainingOptions", "Plan", "StagePlan",
-    "DistributedError", "data", "__version__",
+    "DistributedError", "data", "advise", "__version__", "ConcurrencyOptions",
 ]

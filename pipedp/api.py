@@ -12,8 +12,10 @@ from .distributed import DEFAULT_TIMEOUT_S
 from .engine import Engine
 from .optimizer import OptimizerSpec
 from .options import (
-    DEFAULT_BUCKET_MB, DataParallelOptions, KernelOptions, PipelineOptions, RecomputeSpec, TrainingOptions,
+    DEFAULT_BUCKET_MB, ConcurrencyOptions, DataParallelOptions, KernelOptions, MicrobatchSpec, PipelineOptions,
+    RecomputeSpec, TrainingOptions,
 )
+from .partition.threads import ThreadsSpec
 from .planner import StagesSpec
 from .step import LossFn
 
@@ -29,7 +31,7 @@ def wrap(
     *,
     optimizer: OptimizerSpec = None,
     loss_fn: LossFn | None = None,
-    microbatches: int = 4,
+    microbatches: MicrobatchSpec = 4,
     stages: StagesSpec = "auto",
     schedule: str = "1f1b",
     devices: DeviceSpec = None,
@@ -41,6 +43,7 @@ def wrap(
     progress: bool = True,
     cuda_graph: bool = False,
     rollback: bool = True,
+    threads: ThreadsSpec = None,
     pp: int = 1,
     mesh: DeviceMesh | None = None,
     dp_group: ProcessGroup | None = None,
@@ -56,14 +59,18 @@ def wrap(
     compile: bool = False,
     clip_grad_norm: float | None = None,
     recompute: RecomputeSpec = False,
+    branches: bool = False,
+    split_grads: bool = False,
+    early_update: bool = False,
 ) -> Engine:
     """Cut ``model`` into balanced stages and train it as a microbatch pipeline.
 
     The keywords are those of :class:`~pipedp.PipelineOptions` (microbatches
-    to rollback), :class:`~pipedp.DataParallelOptions` (pp to timeout;
+    to threads), :class:`~pipedp.DataParallelOptions` (pp to timeout;
     ``distributed`` is its ``enabled``), :class:`~pipedp.KernelOptions`
     (``kernels``, ``kernel_db``) and :class:`~pipedp.TrainingOptions`
-    (precision to recompute); ``sample`` (a batch or its shape) plans now
+    (precision to recompute), :class:`~pipedp.ConcurrencyOptions` (branches,
+    split_grads, early_update); ``sample`` (a batch or its shape) plans now
     instead of on the first batch. ``optimizer`` is built on
     ``model.parameters()`` (or a factory of them); ``loss_fn(output, target)``
     returns a scalar with a mean reduction.
@@ -75,7 +82,7 @@ def wrap(
         pipeline=PipelineOptions(
             microbatches=microbatches, stages=stages, schedule=schedule, devices=devices, batchnorm=batchnorm,
             profile=profile, depth=depth, measure_steps=measure_steps, progress=progress, cuda_graph=cuda_graph,
-            rollback=rollback,
+            rollback=rollback, threads=threads,
         ),
         data_parallel=DataParallelOptions(
             enabled=distributed, pp=pp, mesh=mesh, dp_group=dp_group, pp_group=pp_group, bucket_mb=bucket_mb,
@@ -86,5 +93,6 @@ def wrap(
             precision=precision, channels_last=channels_last, compile=compile, clip_grad_norm=clip_grad_norm,
             recompute=recompute,
         ),
+        concurrency=ConcurrencyOptions(branches=branches, split_grads=split_grads, early_update=early_update),
         sample=sample,
     )

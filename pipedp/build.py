@@ -19,18 +19,20 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
-from typing import Any, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
 from .comm import Communicator
-from .options import PipelineOptions, TrainingOptions
+from .options import ConcurrencyOptions, PipelineOptions, TrainingOptions
 from .partition.blocks import Block, Chain, blocks_of, check_chain, module_mode
 from .partition.profile import BlockProfile, estimate_blocks, profile_blocks
+from .partition.threads import CpuPlan, at_threads, concurrent_cpu, concurrent_times, plan_cpu, step_ms
 from .pipeline import microbatch
 from .pipeline.batchnorm import DeferredBatchNorm, batchnorms_in_several
+from .pipeline.concurrency import Concurrency, install
 from .pipeline.executor import Executor, tensors_in
 from .pipeline.gradsync import GradSync
 from .pipeline.graphed import captured_call
@@ -38,12 +40,16 @@ from .pipeline.p2p import Transport
 from .pipeline.recompute import Recompute
 from .pipeline.schedule import get_schedule
 from .pipeline.stage import Stage
+from .pipeline.cpu_lane import core_sets
 from .pipeline.stream import new_lane
 from .plan import Plan
-from .planner import action_durations, build_plan, resolve_counts, stage_devices, stage_places, stage_times
+from .planner import (
+    AUTO_MICROBATCHES, Candidate, Decision, action_durations, build_plan, choose_by_trials, resolve_counts,
+    stage_devices, stage_places, stage_times, trial_candidates, trials_apply, untimed_microbatches,
+)
 from .snapshot import BufferSnapshot, preserved_state
 
-__all__ = ["Pipeline", "build_pipeline", "sync_devices", "in_layout", "sample_batch"]
+__all__ = ["Pipeline", "Trials", "build_pipeline", "sync_devices", "in_layout", "sample_batch"]
 
 
 @dataclass
@@ -56,6 +62,19 @@ class Pipeline:
     transport: Transport | None  # messages between pipeline ranks
     batchnorm: DeferredBatchNorm | None  # "batch", or a BatchNorm used by several stages: deferred updates
     buffers: BufferSnapshot  # to put buffers back after a failed step
+    concurrency: Concurrency | None = None  # branches / split weight gradients swapped in (undo() puts back)
+
+
+@dataclass(frozen=True)
+class Trials:
+    """How ``stages="auto"`` times its trials: ms per step of a candidate plan, and of the plain step.
+
+    The build makes the real ones (short captured steps on the GPU); tests pass
+    their own to check the plumbing on a CPU.
+    """
+
+    plan: Callable[[Candidate], float]
+    plain: Callable[[], float]
 
 
 @dataclass(frozen=True)
@@ -121,9 +140,11 @@ def _dress(stage: Stage, training: TrainingOptions, cuda_graph: bool, compile: b
 def _executor(
     parts: _Parts, counts: Sequence[int], devices: Sequence[torch.device], options: PipelineOptions,
     comm: Communicator, profiles: Sequence[BlockProfile] | None = None, step: int = 0,
-    training: TrainingOptions | None = None, compile: bool = True,
+    training: TrainingOptions | None = None, compile: bool = True, threads: Sequence[int] | None = None,
 ) -> tuple[Executor, Transport | None]:
     """This rank's stages of the cut ``counts`` on their devices and lanes, with the schedule to run them.
+
+    ``threads``: CPU stages run concurrently, each on a worker with that many threads on its own cores.
 
     ``compile=False`` leaves the stages uncompiled even under ``training.compile``
     (trial steps of candidate cuts: compiling each would take longer than the trial).
@@ -131,11 +152,13 @@ def _executor(
     training = training if training is not None else TrainingOptions()
     places = stage_places(len(counts), devices, comm.pp)
     stages, start = [], 0
+    pins = core_sets(threads) if threads is not None else [None] * len(counts)
     for s, k in enumerate(counts):
         r, dev = places[s]
         if r == comm.pp_rank:
             chain = Chain(list(parts.blocks[start : start + k])).to(dev)
-            stage = Stage(s, chain, dev, new_lane(dev, f"stage{s}"), copy_input=parts.copy_input[start])
+            lane = new_lane(dev, f"stage{s}", threads[s] if threads is not None else None, pins[s])
+            stage = Stage(s, chain, dev, lane, copy_input=parts.copy_input[start])
             stages.append(_dress(stage, training, options.cuda_graph, compile and training.compile))
         start += k
     duration = action_durations(*stage_times(profiles, counts)) if profiles is not None else None
@@ -148,51 +171,159 @@ def _executor(
                     transport=transport), transport
 
 
-def _trial_ms(parts: _Parts, counts: list[int], batch: torch.Tensor, model: nn.Module,
-              devices: Sequence[torch.device], options: PipelineOptions, comm: Communicator,
-              training: TrainingOptions) -> float:
-    """Median time of a few forward+backward passes of one candidate cut (no optimizer step).
+TRIAL_WINDOWS, TRIAL_STEPS = 3, 3  # timed windows of steps per trial, after the warm-up
 
-    With ``cuda_graph`` the candidate is timed captured, as it will run (in
-    its precision and with its recompute, but not compiled).
+
+def _timer(run: Callable[[], object], model: nn.Module, devices: Sequence[torch.device],
+           graph: bool) -> Callable[[], float]:
+    """A clock for ``run``: each call gives the median ms per call over a few short windows.
+
+    The first call warms ``run`` up (compiles what is compiled) and, with
+    ``graph``, captures it as a CUDA graph, so later calls time the same replay.
     """
-    ex, _ = _executor(parts, counts, devices, options, comm, training=training, compile=False)
-    xs = microbatch.split(batch.to(devices[0]), options.microbatches)
+    ready: list[Callable[[], object]] = []
+
+    def timed() -> float:
+        if not ready:
+            ready.append(captured_call(run, devices[0], before=lambda: model.zero_grad(set_to_none=True))
+                         if graph else run)
+            ready[0]()
+        times = []
+        for _ in range(TRIAL_WINDOWS):
+            sync_devices(devices)
+            t0 = time.perf_counter()
+            for _ in range(TRIAL_STEPS):
+                ready[0]()
+            sync_devices(devices)
+            times.append((time.perf_counter() - t0) * 1e3 / TRIAL_STEPS)
+        model.zero_grad(set_to_none=True)
+        return statistics.median(times)
+
+    return timed
+
+
+def _trial_ms(parts: _Parts, cand: Candidate, batch: torch.Tensor, model: nn.Module,
+              devices: Sequence[torch.device], options: PipelineOptions, comm: Communicator,
+              training: TrainingOptions, concurrency: ConcurrencyOptions | None = None) -> float:
+    """ms per forward+backward step of one candidate plan (no optimizer step: it is the same for every plan).
+
+    With ``cuda_graph`` the candidate is timed captured, as it will run, in its
+    precision and with its recompute; compiled only when the candidate says so,
+    and with ``concurrency``'s pieces installed (then put back) when it is concurrent.
+    """
+    opts = replace(options, microbatches=cand.microbatches)
+    ex, _ = _executor(parts, list(cand.counts), devices, opts, comm, training=training, compile=cand.compiled)
+    xs = microbatch.split(batch.to(devices[0]), cand.microbatches)
     ys = [t.to(ex.stages[-1].device) for t in xs]
     w = microbatch.shares([t.shape[0] for t in xs])
+    side = install(ex, concurrency) if cand.concurrent and concurrency is not None else None
+    try:
+        if side is not None:
+            side.connect(ex, None)
+        return _timer(lambda: ex.train(xs, ys, w, _surrogate_loss), model, devices, options.cuda_graph)()
+    finally:
+        if side is not None:
+            side.undo()
 
-    def run() -> object:
-        return ex.train(xs, ys, w, _surrogate_loss)
 
-    if options.cuda_graph:
-        run = captured_call(run, devices[0], before=lambda: model.zero_grad(set_to_none=True))
-    times = []
-    for r in range(4):
-        sync_devices(devices)
-        t0 = time.perf_counter()
-        run()
-        sync_devices(devices)
-        if r:
-            times.append((time.perf_counter() - t0) * 1e3)
-    model.zero_grad(set_to_none=True)
-    return statistics.median(times)
+def _cpu_decide(parts: _Parts, blocks: list[Block], profiles: Sequence[BlockProfile], sample: torch.Tensor,
+                batch: torch.Tensor, options: PipelineOptions, comm: Communicator, training: TrainingOptions,
+                choices: Sequence[int]) -> tuple[list[BlockProfile], Decision]:
+    """Cut, threads per stage and microbatches for concurrent CPU stages (:mod:`pipedp.partition.threads`).
+
+    The profiles returned are the blocks' times at their stage's planned threads.
+    Each trial plan's executor is kept for the decision, so a plan timed again
+    runs warm (a first step also allocates; every plan's first step pays that alike).
+    """
+    runs: dict[CpuPlan, Callable[[], object]] = {}
+
+    def measure(plan: CpuPlan) -> float:
+        if plan not in runs:
+            opts = replace(options, microbatches=plan.microbatches)
+            ex, _ = _executor(parts, list(plan.counts), [batch.device], opts, comm, training=training, compile=False,
+                              threads=plan.threads)
+            xs = microbatch.split(batch, plan.microbatches)
+            w = microbatch.shares([t.shape[0] for t in xs])
+            runs[plan] = lambda: ex.train(xs, xs, w, _surrogate_loss)
+        return step_ms(runs[plan], warmup=False)
+
+    size = microbatch.sizes(batch.shape[0], max(choices))[0]
+    choice, curves = plan_cpu(
+        blocks, sample, threads=options.threads, stages=options.stages, microbatches=choices,
+        sizes=lambda m: microbatch.sizes(batch.shape[0], m)[0] / size, schedule=options.schedule,
+        measure=measure if options.profile else None, copy_input=parts.copy_input, host_profiles=profiles,
+        profiled=options.profile)
+    plan, scale = choice.plan, microbatch.sizes(batch.shape[0], choice.plan.microbatches)[0] / size
+    decision = Decision(plan.counts, plan.microbatches, training.compile, choice.notes, threads=plan.threads)
+    return at_threads(profiles, curves, plan, scale), decision
+
+
+def _plain_trial(model: nn.Module, batch: torch.Tensor, devices: Sequence[torch.device],
+                 options: PipelineOptions, training: TrainingOptions) -> Callable[[], float]:
+    """The clock of the bar every plan must beat: the step the user would run without pipedp.
+
+    The unmodified model, forward+backward on the whole batch, in the user's
+    precision and memory format, compiled as a whole when ``training.compile``
+    and captured when ``options.cuda_graph``.
+    """
+    whole: nn.Module = _OneTensor(model)
+    if training.compile:
+        whole = torch.compile(whole)  # type: ignore[assignment]
+    x, dtype = batch.to(devices[0]), training.autocast_dtype
+
+    def run() -> None:
+        with torch.autocast(devices[0].type, dtype=dtype, enabled=dtype is not None):
+            loss = _surrogate_loss(whole(x), x)
+        loss.backward()
+
+    return _timer(run, model, devices, options.cuda_graph)
+
+
+def _choices(options: PipelineOptions, batch: int) -> list[int]:
+    """The microbatch counts the planner may choose from: the user's, or all of AUTO_MICROBATCHES that fit."""
+    if options.microbatches == "auto":
+        return [m for m in AUTO_MICROBATCHES if m <= batch]
+    return [int(options.microbatches)]
 
 
 def _decide(parts: _Parts, model: nn.Module, sample: torch.Tensor, batch: torch.Tensor,
             devices: Sequence[torch.device], options: PipelineOptions, comm: Communicator,
-            training: TrainingOptions) -> tuple[list[BlockProfile], list[int], list[str]]:
-    """Profile the blocks and choose the cut (on the deciding rank)."""
+            training: TrainingOptions, trials: Trials | None = None,
+            concurrency: ConcurrencyOptions | None = None) -> tuple[list[BlockProfile], Decision]:
+    """Profile the blocks and choose the plan (on the deciding rank).
+
+    ``stages="auto"`` on one CUDA device (or with injected ``trials``) times
+    candidate plans beside the plain step (:func:`pipedp.planner.choose_by_trials`);
+    ``microbatches="auto"`` lets it choose the microbatches as well, and the
+    fastest plans are also timed with ``concurrency``'s side-stream pieces.
+    """
+    choices = _choices(options, batch.shape[0])
     with preserved_state(model, devices), module_mode(model, training=True):
         blocks = _measurable(parts.blocks)
         if options.profile:
             profiles = profile_blocks(blocks, sample, progress=options.progress, copy_input=parts.copy_input)
         else:
             profiles = estimate_blocks(blocks, sample)
-        counts, notes = resolve_counts(
-            profiles, options.stages, devices, options.microbatches, options.schedule,
-            measure=lambda c: _trial_ms(parts, c, batch, model, devices, options, comm, training), ranks=comm.pp,
-        )
-    return list(profiles), counts, notes
+        if concurrent_cpu(options.threads, devices, comm.world):
+            return _cpu_decide(parts, blocks, profiles, sample, batch, options, comm, training, choices)
+        if options.stages == "auto" and comm.pp == 1 and (trials is not None or trials_apply("auto", devices)):
+            if trials is None:
+                trials = Trials(
+                    lambda c: _trial_ms(parts, c, batch, model, devices, options, comm, training, concurrency),
+                    _plain_trial(model, batch, devices, options, training),
+                )
+            candidates = trial_candidates([p.cost_ms for p in profiles], choices, batch.shape[0])
+            side = concurrency is not None and (concurrency.branches or concurrency.split_grads)
+            decision = choose_by_trials(candidates, trials.plan, baseline=trials.plain, compile=training.compile,
+                                        concurrent=side, where=str(devices[0]))
+            return list(profiles), decision
+        counts, notes = resolve_counts(profiles, options.stages, devices, max(choices), options.schedule,
+                                       ranks=comm.pp)
+    m = choices[0]
+    if options.microbatches == "auto":
+        m = untimed_microbatches(len(counts), batch.shape[0])
+        notes.append(f"microbatches=auto: {m} for {len(counts)} stage(s) (no timed trials on {devices[0]})")
+    return list(profiles), Decision(tuple(counts), m, training.compile, tuple(notes))
 
 
 def sample_batch(model: nn.Module, sample: torch.Tensor | Sequence[int]) -> torch.Tensor:
@@ -210,10 +341,17 @@ def in_layout(x: torch.Tensor, training: TrainingOptions) -> torch.Tensor:
 
 def build_pipeline(model: nn.Module, batch: torch.Tensor, options: PipelineOptions,
                    devices: Sequence[torch.device], comm: Communicator, *, step: int = 0,
-                   training: TrainingOptions | None = None) -> Pipeline:
-    """The pipeline for ``model`` planned on ``batch`` (its first microbatch is what blocks are timed on)."""
+                   training: TrainingOptions | None = None, trials: Trials | None = None,
+                   concurrency: ConcurrencyOptions | None = None) -> Pipeline:
+    """The pipeline for ``model`` planned on ``batch`` (its first microbatch is what blocks are timed on).
+
+    With ``stages="auto"`` on one CUDA device the plan comes from timed trials
+    (``trials`` replaces their clocks, for tests); with ``microbatches="auto"``
+    the planner chooses the microbatches too: ``plan.microbatches`` is what a
+    step must split the batch into.
+    """
     training = training if training is not None else TrainingOptions()
-    sizes = microbatch.sizes(batch.shape[0], options.microbatches)
+    sizes = microbatch.sizes(batch.shape[0], max(_choices(options, batch.shape[0])))
     first = devices[0]
     model.to(first)
     if training.channels_last:
@@ -226,8 +364,11 @@ def build_pipeline(model: nn.Module, batch: torch.Tensor, options: PipelineOptio
         blocks = blocks_of(model, depth=options.depth)
         parts = _Parts(blocks, check_chain(model, blocks, sample))
     # Every rank must run the same cut: the first rank decides, the others follow.
-    profiles, counts, notes = comm.decide(
-        lambda: _decide(parts, model, sample, batch, devices, options, comm, training))
+    profiles, decision = comm.decide(
+        lambda: _decide(parts, model, sample, batch, devices, options, comm, training, trials, concurrency))
+    counts, notes = list(decision.counts), list(decision.notes)
+    options = replace(options, microbatches=decision.microbatches)
+    sizes = microbatch.sizes(batch.shape[0], options.microbatches)
     bad = [i for i in training.recompute if i >= len(counts)] if not isinstance(training.recompute, bool) else []
     if bad:  # checked on the cut, not on the trial cuts of stages="auto"
         raise ValueError(
@@ -242,24 +383,42 @@ def build_pipeline(model: nn.Module, batch: torch.Tensor, options: PipelineOptio
     used = len(set(stage_devices(per_rank, devices)))
     if used < len(devices):
         notes = notes + [f"{per_rank} stage(s) per rank use {used} of {len(devices)} devices"]
-    executor, transport = _executor(parts, counts, devices, options, comm, profiles, step, training)
+    executor, transport = _executor(parts, counts, devices, options, comm, profiles, step, training,
+                                    compile=decision.compiled, threads=decision.threads)
     plan = build_plan(
         profiles, counts, devices, microbatches=options.microbatches, microbatch_size=sizes[0],
         schedule=options.schedule, batchnorm=options.batchnorm,
         source="profile" if options.profile else "cost model", notes=notes,
-        ranks=comm.pp, layout=comm.describe(),
+        ranks=comm.pp, layout=comm.describe(), trials=decision.trials, baseline_ms=decision.baseline_ms,
+        compiled=decision.compiled and training.compile, chosen=decision.chosen,
     )
+    if decision.threads is not None:
+        shared = batchnorms_in_several([st.chain for st in executor.stages])
+        if shared:
+            raise ValueError(f"{len(shared)} BatchNorm module(s) are used by several stages, which would update them "
+                             f"from concurrent CPU stages at once: pass threads=None (stages in order), or a cut "
+                             f"(stages=[block counts]) that keeps each BatchNorm's uses in one stage")
+        plan = plan.with_threads(list(decision.threads), *concurrent_times(profiles, counts, options.schedule,
+                                                                           decision.microbatches))
     deferred = _batchnorm(model, executor, options)
     for st in executor.stages:
         if isinstance(st.body, Recompute) and deferred is not None:
             st.body.paused.append(deferred)  # a recomputed forward must not record statistics again
+    sync = comm.grad_sync(executor.stages)
+    # Last (nothing after it can fail), after profiling and trials, which time the model as it is.
+    concurrent = (install(executor, concurrency)  # unless stages="auto" trials found the plan faster without
+                  if concurrency is not None and concurrency.any and decision.concurrent else None)
+    if concurrent is not None:
+        concurrent.connect(executor, sync)
+        plan = replace(plan, notes=(*plan.notes, *concurrent.notes()))
     return Pipeline(
         executor=executor,
         plan=plan,
-        sync=comm.grad_sync(executor.stages),
+        sync=sync,
         transport=transport,
         batchnorm=deferred,
         buffers=BufferSnapshot(model),
+        concurrency=concurrent,
     )
 
 

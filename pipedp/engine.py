@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import statistics
 import warnings
+from dataclasses import replace
 from typing import Any, Sequence
 
 import torch
@@ -25,8 +26,12 @@ from .device import resolve_devices
 from .distributed import Layout
 from .ops.swap import swap_depthwise
 from .optimizer import OptimizerSpec, check_optimizer, move_optimizer_state
-from .options import DataParallelOptions, KernelOptions, PipelineOptions, TrainingOptions
+from .options import (
+    ConcurrencyOptions, DataParallelOptions, KernelOptions, MicrobatchSpec, PipelineOptions, TrainingOptions,
+)
 from .pipeline import microbatch
+from .pipeline.concurrency import check_concurrency
+from .pipeline.early_update import EarlyUpdate
 from .pipeline.executor import Executor, StepTimer
 from .pipeline.gradsync import SyncStats
 from .pipeline.trace import Clock
@@ -50,7 +55,7 @@ class Engine:
             or an fx-traceable chain); it stays the same object (``engine.module``).
         optimizer: an optimizer built on ``model.parameters()``, or a factory.
         loss_fn: ``loss_fn(output, target) -> scalar`` with a mean reduction.
-        pipeline, data_parallel, kernels, training: the option groups (defaults when None).
+        pipeline, data_parallel, kernels, training, concurrency: the option groups (defaults when None).
         sample: a batch (or its shape) to plan with now; else the first batch.
     """
 
@@ -64,6 +69,7 @@ class Engine:
         data_parallel: DataParallelOptions | None = None,
         kernels: KernelOptions | None = None,
         training: TrainingOptions | None = None,
+        concurrency: ConcurrencyOptions | None = None,
         sample: torch.Tensor | Sequence[int] | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -80,6 +86,8 @@ class Engine:
         self.comm = communicator(data_parallel if data_parallel is not None else DataParallelOptions())
         self.comm.check(self.devices, opts.cuda_graph)
         self.comm.check_same_model(model, self.optimizer, opts, topts)
+        self.concurrency_options = concurrency if concurrency is not None else ConcurrencyOptions()
+        check_concurrency(self.concurrency_options, topts, self.optimizer)
         if opts.cuda_graph and topts.precision == "fp16":
             raise ValueError(
                 "precision='fp16' with cuda_graph=True is not supported yet: its loss scaling decides on the host "
@@ -108,8 +116,9 @@ class Engine:
                 raise
 
     @property
-    def microbatches(self) -> int:
-        return self.options.microbatches
+    def microbatches(self) -> MicrobatchSpec:
+        """The microbatches a step is split into: the plan's (``"auto"`` until the plan chose them)."""
+        return self._plan.microbatches if self._plan is not None else self.options.microbatches
 
     @property
     def schedule(self) -> str:
@@ -126,7 +135,7 @@ class Engine:
 
     def _build(self, batch: torch.Tensor) -> Pipeline:
         pipe = self._pipe = build_pipeline(self.module, batch, self.options, self.devices, self.comm, step=self.steps,
-                                           training=self.training_options)
+                                           training=self.training_options, concurrency=self.concurrency_options)
         self._plan = pipe.plan
         if self.optimizer is not None:
             move_optimizer_state(self.optimizer)
@@ -138,7 +147,13 @@ class Engine:
         if self._runner is None:
             pipe = self._pipe if self._pipe is not None else self._build(x)
             grads = GradientStep.of(pipe.executor.stages, self.comm, self.scaler, self.training_options.clip_grad_norm)
-            self._runner = StepRunner(self.module, pipe, self.optimizer, self.loss_fn, self.comm, self.options, grads)
+            opts = replace(self.options, microbatches=pipe.plan.microbatches)  # "auto": the plan's choice
+            early = None
+            if self.concurrency_options.early_update:
+                ex, side = pipe.executor, pipe.concurrency
+                early = EarlyUpdate(self.optimizer, ex.stages, ex.train_order,
+                                    {st.index: side.lanes(st.index) for st in ex.stages} if side is not None else None)
+            self._runner = StepRunner(self.module, pipe, self.optimizer, self.loss_fn, self.comm, opts, grads, early)
         return self._runner
 
     # -- public API -----------------------------------------------------------------------------
@@ -185,7 +200,8 @@ class Engine:
             raise ValueError(
                 f"x and y must share the batch dimension 0, got shapes {tuple(x.shape)} and {tuple(y.shape)}"
             )
-        microbatch.sizes(x.shape[0], self.microbatches)  # clear error for a batch too small
+        if isinstance(self.microbatches, int):  # "auto" chooses a count the batch allows
+            microbatch.sizes(x.shape[0], self.microbatches)  # clear error for a batch too small
         runner = self._runner_for(x)
         ex = runner.pipe.executor
         if ex.is_first:

@@ -4,7 +4,10 @@ CIFAR-style ResNets (3x3 stem, no max-pool, 32x32 input) written with
 torchvision's structure and attribute names (``conv1, bn1, relu, maxpool,
 layer1..4, avgpool, fc``), so pipedp cuts them exactly as it cuts torchvision's
 own ResNets. ``width`` scales every layer's channels (64 is the standard
-model; tests use narrow ones to stay fast).
+model; tests use narrow ones to stay fast). MobileNetV2 and EfficientNet-B0
+(torchvision's layouts, ``width`` a channel multiplier there) are the
+depthwise-convolution models; ``cifar=True`` gives them stems for 32x32
+inputs.
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ import torch
 from torch import nn
 
 __all__ = [
-    "BasicBlock", "Bottleneck", "ResNet", "resnet18", "resnet34", "resnet50", "MobileNetV2", "mobilenet_v2", "MODELS",
-    "get_model",
+    "BasicBlock", "Bottleneck", "ResNet", "resnet18", "resnet34", "resnet50", "MobileNetV2", "mobilenet_v2",
+    "SqueezeExcite", "MBConv", "EfficientNetB0", "efficientnet_b0", "MODELS", "get_model",
 ]
 
 
@@ -179,8 +182,91 @@ def mobilenet_v2(num_classes: int = 10, **kw) -> MobileNetV2:
     return MobileNetV2(num_classes, **kw)
 
 
+def _divisible(channels: float, by: int = 8) -> int:
+    """Channels rounded to a multiple of ``by``, never below 90% of ``channels`` (torchvision's rule)."""
+    out = max(by, int(channels + by / 2) // by * by)
+    return out + by if out < 0.9 * channels else out
+
+
+class SqueezeExcite(nn.Module):
+    """Channel gates from the block's pooled features: 1x1 squeeze, SiLU, 1x1 excite, sigmoid."""
+
+    def __init__(self, channels: int, squeezed: int) -> None:
+        super().__init__()
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc1 = nn.Conv2d(channels, squeezed, 1)
+        self.fc2 = nn.Conv2d(squeezed, channels, 1)
+        self.activation = nn.SiLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(self.fc2(self.activation(self.fc1(self.avgpool(x)))))
+
+
+class MBConv(nn.Module):
+    """EfficientNet's block: 1x1 expand, kxk depthwise, squeeze-excite, 1x1 project (residual when shapes allow).
+
+    Stochastic depth (torchvision drops the residual branch at random in training) is left out: the
+    benchmarks time steps, which it would make vary from step to step.
+    """
+
+    def __init__(self, cin: int, cout: int, kernel: int, stride: int, expand: int) -> None:
+        super().__init__()
+        hidden = _divisible(cin * expand)
+        layers: list[nn.Module] = []
+        if hidden != cin:
+            layers.append(nn.Sequential(nn.Conv2d(cin, hidden, 1, bias=False), nn.BatchNorm2d(hidden),
+                                        nn.SiLU(inplace=True)))
+        layers += [
+            nn.Sequential(nn.Conv2d(hidden, hidden, kernel, stride, kernel // 2, groups=hidden, bias=False),
+                          nn.BatchNorm2d(hidden), nn.SiLU(inplace=True)),
+            SqueezeExcite(hidden, max(1, cin // 4)),
+            nn.Sequential(nn.Conv2d(hidden, cout, 1, bias=False), nn.BatchNorm2d(cout)),
+        ]
+        self.block = nn.Sequential(*layers)
+        self.use_res = stride == 1 and cin == cout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.block(x) if self.use_res else self.block(x)
+
+
+class EfficientNetB0(nn.Module):
+    """EfficientNet-B0 (torchvision's layout). ``cifar=True``: stride-1 stem and second stage for 32x32 inputs,
+    as :class:`MobileNetV2` does, so the last stage works on 4x4 planes rather than 1x1."""
+
+    # (expansion, kernel, stride, channels, blocks)
+    SETTINGS = [(1, 3, 1, 16, 1), (6, 3, 2, 24, 2), (6, 5, 2, 40, 2), (6, 3, 2, 80, 3), (6, 5, 1, 112, 3),
+                (6, 5, 2, 192, 4), (6, 3, 1, 320, 1)]
+
+    def __init__(self, num_classes: int = 10, width: float = 1.0, cifar: bool = True, dropout: float = 0.2) -> None:
+        super().__init__()
+        cin = _divisible(32 * width)
+        layers: list[nn.Module] = [nn.Sequential(nn.Conv2d(3, cin, 3, 1 if cifar else 2, 1, bias=False),
+                                                 nn.BatchNorm2d(cin), nn.SiLU(inplace=True))]
+        for k, (t, kernel, s, c, n) in enumerate(self.SETTINGS):
+            cout = _divisible(c * width)
+            stage = []
+            for i in range(n):
+                stride = s if i == 0 and not (cifar and k == 1) else 1
+                stage.append(MBConv(cin, cout, kernel, stride, t))
+                cin = cout
+            layers.append(nn.Sequential(*stage))
+        last = 4 * cin
+        layers.append(nn.Sequential(nn.Conv2d(cin, last, 1, bias=False), nn.BatchNorm2d(last), nn.SiLU(inplace=True)))
+        self.features = nn.Sequential(*layers)
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.classifier = nn.Sequential(nn.Dropout(dropout, inplace=True), nn.Linear(last, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.flatten(self.avgpool(self.features(x)), 1))
+
+
+def efficientnet_b0(num_classes: int = 10, **kw) -> EfficientNetB0:
+    return EfficientNetB0(num_classes, **kw)
+
+
 MODELS: dict[str, Callable[..., nn.Module]] = {
     "resnet18": resnet18, "resnet34": resnet34, "resnet50": resnet50, "mobilenet_v2": mobilenet_v2,
+    "efficientnet_b0": efficientnet_b0,
 }
 
 

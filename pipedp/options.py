@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence, Union
+from typing import TYPE_CHECKING, Literal, Sequence, Union
 
 import torch
 
@@ -18,6 +18,7 @@ from .device import DeviceSpec
 from .checks import non_negative_int, one_of, positive_int, positive_number
 from .distributed import DEFAULT_TIMEOUT_S
 from .ops.swap import KERNEL_MODES
+from .partition.threads import ThreadsSpec, check_threads
 from .pipeline.gradsync import DEFAULT_BUCKET_BYTES
 from .pipeline.schedule import get_schedule
 from .planner import StagesSpec
@@ -27,13 +28,14 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
-    "PipelineOptions", "DataParallelOptions", "KernelOptions", "TrainingOptions", "DeviceSpec", "StagesSpec",
-    "BATCHNORM_MODES", "DEFAULT_BUCKET_MB", "PRECISIONS", "RecomputeSpec",
+    "PipelineOptions", "DataParallelOptions", "KernelOptions", "TrainingOptions", "ConcurrencyOptions", "DeviceSpec",
+    "StagesSpec", "BATCHNORM_MODES", "DEFAULT_BUCKET_MB", "PRECISIONS", "RecomputeSpec", "MicrobatchSpec",
 ]
 
 BATCHNORM_MODES = ("microbatch", "batch")
 PRECISIONS = ("fp32", "bf16", "fp16")
 RecomputeSpec = Union[bool, Sequence[int]]
+MicrobatchSpec = Union[int, Literal["auto"]]
 DEFAULT_BUCKET_MB = DEFAULT_BUCKET_BYTES / 2**20  # DDP's bucket_cap_mb
 
 
@@ -43,6 +45,18 @@ def _stages(v: object) -> StagesSpec:
     if isinstance(v, int):
         positive_int("stages", v)
     return v  # type: ignore[return-value]
+
+
+def _microbatches(v: object, stages: object) -> None:
+    if v == "auto":
+        if stages != "auto":
+            raise ValueError(
+                f"microbatches='auto' lets stages='auto' choose the microbatches with the cut, but stages={stages!r} "
+                f"was given: pass stages='auto', or a number of microbatches"
+            )
+        return
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"microbatches must be a positive int or 'auto', got {v!r}")
 
 
 def _flag(name: str, v: object) -> bool:
@@ -60,7 +74,13 @@ class PipelineOptions:
     ``devices``: device(s) for the stages (default: the model's); several stages
     may share one CUDA device, each on its own stream. ``batchnorm``:
     ``"microbatch"`` (running statistics per microbatch, as GPipe) or
-    ``"batch"`` (one update per step from the whole batch). ``profile``:
+    ``"batch"`` (one update per step from the whole batch). ``microbatches``:
+    a number, or ``"auto"`` (with ``stages="auto"``) for the planner to choose
+    it with the cut: by timed trials on one CUDA device, where one stage x one
+    microbatch (the plain step) is among the choices; elsewhere one microbatch
+    for one stage, else the most of 1, 2, 4, 8 the batch allows. The number
+    chosen is ``engine.plan.microbatches``; with ``batchnorm="microbatch"``
+    the BatchNorm statistics are those of the chosen microbatches. ``profile``:
     measure block times, or use the FLOP/byte cost model. ``depth``: levels of
     nested ``nn.Sequential`` to cut into. ``measure_steps``: training steps
     timed per stage for ``engine.plan``. ``cuda_graph``: on one CUDA device,
@@ -69,10 +89,16 @@ class PipelineOptions:
     parameters and optimizer state before each eager ``optimizer.step()``
     so that a step failing inside it is undone (the memory of one more copy
     of them; False saves it, and such a failure then leaves what the
-    optimizer had done).
+    optimizer had done). ``threads`` (CPU, one process): None runs the
+    stages one after another on the caller's thread (torch's own thread
+    count); ``"auto"`` runs stages concurrently, each on its own worker
+    thread and cores with a thread count chosen by a model of each block's
+    time against threads and refined on measured steps (with
+    ``stages="auto"`` one stage on all cores is among the measured choices);
+    a list gives each stage's count (summing to at most the cores).
     """
 
-    microbatches: int = 4
+    microbatches: MicrobatchSpec = 4
     stages: StagesSpec = "auto"
     schedule: str = "1f1b"
     devices: DeviceSpec = None
@@ -83,10 +109,12 @@ class PipelineOptions:
     progress: bool = True
     cuda_graph: bool = False
     rollback: bool = True
+    threads: ThreadsSpec = None
 
     def __post_init__(self) -> None:
-        positive_int("microbatches", self.microbatches)
         _stages(self.stages)
+        object.__setattr__(self, "threads", check_threads(self.threads, self.stages))
+        _microbatches(self.microbatches, self.stages)
         get_schedule(self.schedule)
         one_of("batchnorm", self.batchnorm, BATCHNORM_MODES)
         positive_int("depth", self.depth)
@@ -207,3 +235,33 @@ class TrainingOptions:
     def autocast_dtype(self) -> torch.dtype | None:
         """The dtype stages compute in under autocast (None: fp32, no autocast)."""
         return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
+
+
+@dataclass(frozen=True)
+class ConcurrencyOptions:
+    """Work of one step run side by side on one device, each piece exact and off by default.
+
+    These fill a GPU that a small microbatch or a late, small-resolution
+    stage leaves partly idle, with work that is independent at full batch
+    (kernels keep their size). ``branches``: a residual block's shortcut /
+    downsample path runs on a side stream beside the main path
+    (:mod:`pipedp.pipeline.branches`). ``split_grads``: a convolution's weight
+    gradient runs on a side stream while its input gradient continues the
+    backward (:mod:`pipedp.pipeline.split_grad`). ``early_update``: a stage's
+    optimizer update starts as soon as its last backward (and gradient sync)
+    is done, while earlier stages are still in backward
+    (:mod:`pipedp.pipeline.early_update`). On a CPU the same code runs in
+    order, with the same numbers.
+    """
+
+    branches: bool = False
+    split_grads: bool = False
+    early_update: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("branches", "split_grads", "early_update"):
+            _flag(name, getattr(self, name))
+
+    @property
+    def any(self) -> bool:
+        return self.branches or self.split_grads or self.early_update

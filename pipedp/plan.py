@@ -23,6 +23,7 @@ class StagePlan:
     activation_mb: float = 0.0  # predicted peak saved activations (MiB) under the schedule
     param_mb: float = 0.0
     measured_ms: float | None = None  # per microbatch, from the first training steps
+    threads: int | None = None  # a concurrent CPU stage's intra-op threads (None: the caller's)
 
     @property
     def label(self) -> str:
@@ -50,6 +51,10 @@ class Plan:
     notes: tuple[str, ...] = field(default=())
     layout: str = ""  # data parallel x pipeline ranks, when distributed
     sync: str = ""  # the last measured gradient sync, when distributed
+    trials: tuple[tuple[str, float], ...] = ()  # stages="auto" on one GPU: (plan label, ms per trial step)
+    trial_baseline_ms: float | None = None  # the plain step's ms, timed beside the trials
+    trial_chosen: str = ""  # the chosen plan's label among the trials
+    compiled: bool = False  # the stages run through torch.compile
 
     @property
     def counts(self) -> list[int]:
@@ -73,6 +78,14 @@ class Plan:
             raise ValueError(f"{len(measured_ms)} measurements for {len(self.stages)} stages")
         return replace(self, stages=tuple(replace(s, measured_ms=m) for s, m in zip(self.stages, measured_ms)))
 
+    def with_threads(self, threads: "list[int]", predicted_ms: "list[float]", step_ms: float) -> "Plan":
+        """The plan with concurrent CPU stages: each stage's threads and its ms predicted at that count."""
+        if not (len(threads) == len(predicted_ms) == len(self.stages)):
+            raise ValueError(f"{len(threads)} thread counts for {len(self.stages)} stages")
+        stages = tuple(replace(s, threads=t, predicted_ms=ms, stream=f"worker{s.index}")
+                       for s, t, ms in zip(self.stages, threads, predicted_ms))
+        return replace(self, stages=stages, predicted_step_ms=step_ms)
+
     def with_sync(self, sync: str) -> "Plan":
         return replace(self, sync=sync)
 
@@ -80,6 +93,7 @@ class Plan:
         head = (
             f"pipedp plan: {len(self.stages)} stage(s) x {self.microbatches} microbatch(es) of "
             f"{self.microbatch_size}, schedule={self.schedule}, batchnorm={self.batchnorm}, costs from {self.source}"
+            + (", compiled" if self.compiled else "")
         )
         rows = [("stage", "device", "stream", "blocks", "pred ms", "meas ms", "act MiB", "param MiB")]
         for s in self.stages:
@@ -88,6 +102,8 @@ class Plan:
                 (str(s.index), s.device, s.stream, s.label, f"{s.predicted_ms:.2f}", meas,
                  f"{s.activation_mb:.1f}", f"{s.param_mb:.1f}")
             )
+        if any(s.threads is not None for s in self.stages):
+            rows = [r[:3] + (t,) + r[3:] for r, t in zip(rows, ["threads"] + [str(s.threads) for s in self.stages])]
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [head] + ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         mb = self.measured_balance
@@ -100,5 +116,29 @@ class Plan:
             lines.append(f"layout: {self.layout}")
         if self.sync:
             lines.append(f"gradient sync: {self.sync}")
+        lines.extend(self._trial_lines())
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
+
+    @property
+    def label(self) -> str:
+        """``"SxM"`` (and ``" compiled"``, ``" concurrent"``): the name trials give this plan."""
+        return self.trial_chosen or f"{len(self.stages)}x{self.microbatches}{' compiled' if self.compiled else ''}"
+
+    def _trial_lines(self) -> list[str]:
+        """The timed trials of ``stages="auto"``: ms per step of each plan against the plain step (the bar)."""
+        if not self.trials:
+            return []
+        bar = self.trial_baseline_ms
+        head = "trials (ms per forward+backward step"
+        head += f"; the bar is the plain step, {bar:.2f} ms):" if bar is not None else "):"
+        rows = [("plan", "ms", "x plain", "")]
+        matched = any(label == self.label for label, _ in self.trials)
+        if bar is not None:  # chosen when the plan fell back to it without a trial of its own (1x1 compiled)
+            rows.append(("plain step", f"{bar:.2f}", "1.00", "" if matched else "chosen"))
+        for label, ms in self.trials:
+            ratio = f"{bar / ms:.2f}" if bar is not None and ms > 0 else "-"
+            rows.append((label, f"{ms:.2f}", ratio, "chosen" if label == self.label else ""))
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        return [head] + ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+

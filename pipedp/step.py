@@ -12,7 +12,10 @@ checked for overflow (a step with inf/NaN gradients skips the update, as
 ``GradScaler`` does) and clipped (:class:`~pipedp.update.GradientStep`). With a
 CUDA graph the whole step is captured after two eager steps of the same
 signature and replayed; a traced step always runs eagerly (a graph would
-hide its inside).
+hide its inside). With an early update (:mod:`~pipedp.pipeline.early_update`)
+each stage's update starts inside the backward, so the rollback copy is taken
+before the step's first forward instead, and any failure of the step puts
+it back.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from .comm import Communicator
 from .distributed import DistributedError
 from .options import PipelineOptions
 from .pipeline import microbatch
+from .pipeline.early_update import EarlyUpdate
 from .pipeline.executor import StepTimer
 from .pipeline.graphed import StepGraph, hyper_signature
 from .pipeline.stream import current_lane
@@ -43,12 +47,14 @@ class StepRunner:
     """Runs training steps of ``pipe`` for ``model`` with ``optimizer`` and ``loss_fn``."""
 
     def __init__(self, model: nn.Module, pipe: Pipeline, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
-                 comm: Communicator, options: PipelineOptions, grads: GradientStep | None = None) -> None:
+                 comm: Communicator, options: PipelineOptions, grads: GradientStep | None = None,
+                 early: EarlyUpdate | None = None) -> None:
         self.model, self.pipe, self.optimizer, self.loss_fn = model, pipe, optimizer, loss_fn
         self.comm, self.microbatches = comm, options.microbatches
         self.grads = grads if grads is not None else GradientStep((), comm)
         self.graph = StepGraph(self.graph_body) if options.cuda_graph else None
         self.before_update = UpdateSnapshot(optimizer) if options.rollback else None
+        self.early = early  # per-stage updates issued during the backward
         self.updates: list[tuple] = []  # the last traced step's optimizer marks
         self.replayed = False  # whether the last step was a graph replay (no per-stage timings)
 
@@ -66,6 +72,9 @@ class StepRunner:
             graph.note_eager(x, y, hyper)
         self._zero_grads()
         self.pipe.buffers.save()
+        early_rollback = self.early is not None and self.before_update is not None
+        if early_rollback:
+            self.before_update.save()  # type: ignore[union-attr]
         for part in (self.pipe.sync, self.pipe.transport):
             if part is not None:
                 part.step = index
@@ -78,15 +87,19 @@ class StepRunner:
             loss = self.comm.share_loss(loss, self.pipe.executor.stages[-1].device, index)
             apply = self.grads.prepare(index)
         except DistributedError as e:
+            if early_rollback:
+                self._undo_early_updates()
             self.recover()
             raise DistributedError(f"{e}{self.comm.failure_note(index)}") from e.__cause__
         except BaseException:
+            if early_rollback:
+                self._undo_early_updates()
             self.recover()
             raise
         clock = timer.clock if timer is not None else None
         devices = self.pipe.executor.devices
         marks = [(d, clock.mark(current_lane(d))) for d in devices] if clock is not None else []
-        if self.before_update is not None and apply:
+        if self.before_update is not None and apply and not early_rollback:
             self.before_update.save()
         try:
             self._update(apply)
@@ -116,14 +129,25 @@ class StepRunner:
         weights = microbatch.shares([t.shape[0] for t in xs])
         if self.pipe.batchnorm is not None:
             self.pipe.batchnorm.begin()
+        if self.early is not None:
+            self.early.begin(self.pipe.sync)
         return self.pipe.executor.train(xs, ys, weights, self.loss_fn, timer, sync=self.pipe.sync,
-                                        loss_scale=self.grads.loss_scale)
+                                        loss_scale=self.grads.loss_scale, update=self.early)
+
+    def _undo_early_updates(self) -> None:
+        """Put back what the stages updated early, once every lane that may still be updating is joined."""
+        assert self.early is not None and self.before_update is not None
+        self.pipe.executor._join()
+        self.early.join()
+        self.before_update.restore()
 
     def _update(self, apply: bool = True) -> None:
         """Commit the step's BatchNorm statistics (the forwards ran) and, unless skipped, step the optimizer."""
         if self.pipe.batchnorm is not None:
             self.pipe.batchnorm.commit()
-        if apply:
+        if apply and self.early is not None:
+            self.early.finish()  # the stages' parameters were updated during the backward
+        elif apply:
             self.optimizer.step()
 
     def graph_body(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -396,3 +396,17 @@ def test_save_and_load_resume_bit_identically_with_dropout(tmp_path):
     assert torch.equal(a_loss, b_loss)
     assert all(torch.equal(p, q) for p, q in zip(a.module.state_dict().values(), b.module.state_dict().values()))
     assert set(torch.load(tmp_path / "ckpt.pt", weights_only=True)["engine"]) == {"steps", "format", "rng"}
+
+
+def test_microbatches_auto_lets_the_plan_choose_them():
+    model = sequential_cnn()
+    ref = clone(model)
+    batches = data(n=8, steps=2)
+    engine = engine_for(model, microbatches="auto", stages="auto")
+    assert engine.microbatches == "auto"  # until the plan chose them
+    for x, y in batches:
+        engine.train_step(x, y)
+    # On a CPU one stage is fastest, and one stage gains nothing from microbatches: the plain step.
+    assert engine.microbatches == engine.plan.microbatches == 1 and engine.plan.counts == [9]
+    plain_steps(ref, batches, microbatches=1)
+    assert max_diff(model, ref) <= TOL

@@ -26,3 +26,29 @@ def test_imagenet_stem_variant():
 def test_unknown_model_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown model 'vgg'"):
         get_model("vgg")
+
+
+def test_efficientnet_b0_has_torchvisions_size():
+    # torchvision's efficientnet_b0 (1000 classes): 5,288,548 parameters
+    assert sum(p.numel() for p in get_model("efficientnet_b0", num_classes=1000, cifar=False).parameters()) == 5_288_548
+
+
+def _depthwise_outputs(model, size):
+    """(kernel, stride, output side) of every depthwise conv of ``model`` on one ``size`` x ``size`` image."""
+    seen = []
+    for m in model.modules():
+        if isinstance(m, torch.nn.Conv2d) and m.groups == m.in_channels > 1:
+            m.register_forward_hook(lambda mod, i, o: seen.append((mod.kernel_size[0], mod.stride[0], o.shape[-1])))
+    model.eval()(torch.randn(1, 3, size, size))
+    return seen
+
+
+@pytest.mark.parametrize("cifar, size, last", [(True, 32, 4), (False, 224, 7)])
+def test_efficientnet_b0_depthwise_convs_and_squeeze_excite(cifar, size, last):
+    model = get_model("efficientnet_b0", cifar=cifar)
+    convs = _depthwise_outputs(model, size)
+    assert len(convs) == 16
+    assert {(k, s) for k, s, _ in convs} == {(3, 1), (3, 2), (5, 1), (5, 2)}
+    assert convs[0][2] == (32 if cifar else 112) and convs[-1][2] == last
+    se = [m for m in model.modules() if type(m).__name__ == "SqueezeExcite"]
+    assert len(se) == 16 and all(isinstance(m.activation, torch.nn.SiLU) for m in se)

@@ -6,11 +6,13 @@ import pytest
 import torch
 
 import pipedp
-from pipedp import DataParallelOptions, KernelOptions, PipelineOptions, TrainingOptions
+from pipedp import ConcurrencyOptions, DataParallelOptions, KernelOptions, PipelineOptions, TrainingOptions
 
 
 @pytest.mark.parametrize("kw, match", [
     (dict(microbatches=0), "microbatches must be a positive int"),
+    (dict(microbatches="many"), "microbatches must be a positive int or 'auto'"),
+    (dict(microbatches="auto", stages=2), "microbatches='auto' lets stages='auto' choose"),
     (dict(stages="many"), "stages must be an int, 'auto' or a list"),
     (dict(stages=0), "stages must be a positive int"),
     (dict(stages=True), "stages must be an int"),
@@ -97,7 +99,7 @@ def test_wrap_has_a_typed_signature_matching_the_groups():
     assert sig.return_annotation in ("Engine", pipedp.Engine)
     groups = {
         "pipeline": PipelineOptions(), "data_parallel": DataParallelOptions(), "kernels": KernelOptions(),
-        "training": TrainingOptions(),
+        "training": TrainingOptions(), "concurrency": ConcurrencyOptions(),
     }
     flat = {"enabled": "distributed", "mode": "kernels", "db": "kernel_db"}
     for name, group in groups.items():
@@ -108,3 +110,17 @@ def test_wrap_has_a_typed_signature_matching_the_groups():
 
     engine_params = inspect.signature(pipedp.Engine).parameters
     assert all(name in engine_params for name in groups), "Engine() takes every group"
+
+
+@pytest.mark.parametrize("name", ["branches", "split_grads", "early_update"])
+def test_concurrency_options_are_flags_off_by_default(name):
+    assert getattr(ConcurrencyOptions(), name) is False and not ConcurrencyOptions().any
+    assert ConcurrencyOptions(**{name: True}).any
+    with pytest.raises(ValueError, match=f"{name} must be True or False, got 1"):
+        ConcurrencyOptions(**{name: 1})
+
+
+def test_wrap_passes_the_concurrency_options_to_the_engine():
+    engine = pipedp.wrap(torch.nn.Linear(2, 2), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                         branches=True, split_grads=True, early_update=True)
+    assert engine.concurrency_options == ConcurrencyOptions(branches=True, split_grads=True, early_update=True)

@@ -10,7 +10,9 @@ compiler) without touching the others:
 - ``ops``, ``ops_nhwc``: the three operators as tensor expressions;
 - ``space``: knobs and configs; ``template``: the schedule-template
   interface and its registry by (target kind, layout), filled by ``cpu``,
-  ``cpu_nhwc`` and ``cuda``;
+  ``cpu_nhwc``, ``cuda`` and ``cuda_nhwc`` (with ``cuda_common``: the GPU's
+  limits and shared schedule steps); ``defaults``: a config per problem
+  before any tuning;
 - ``target``: compilation targets and the names records give them;
 - ``builder``: config to compiled, loadable kernel (with ``streaming`` and
   ``offline_cuda``); ``runner``: check against torch and time;

@@ -16,6 +16,13 @@ Padding is its own stage (``pad`` / ``dy_pad``) so a schedule can inline it
 or compute it per plane; the reductions are named ``r``, ``s`` (and ``m``,
 ``n``, ``i``, ``j``) so schedules can address them.
 
+Every reduction accumulates in fp32 (:data:`ACC`): fp16/bf16 products are
+exact in fp32 and summed there, and the result is rounded to the problem's
+dtype once, in a ``<output>_cast`` stage (``y_cast``, ``dx_cast``,
+``dw_cast``) that exists only for fp16/bf16, so fp32 kernels have the same
+stages as before. Summed in bf16, a 3x3 tap sum would lose about three bits
+and a grad-weight over a batch all of them.
+
 The batch extent can be symbolic (``compute(..., batch=batch_var())``): the
 kernel then takes any n, read from its tensors' shapes at each call, so one
 kernel tuned for a layer serves every batch and microbatch size. Everything
@@ -32,9 +39,17 @@ from tvm import te, tirx
 from pipedp.ops.layout import LAYOUTS
 from pipedp.ops.problem import OPS, DepthwiseConv
 
-__all__ = ["DepthwiseConv", "OPS", "LAYOUTS", "compute", "batch_var", "Batch"]
+__all__ = ["DepthwiseConv", "OPS", "LAYOUTS", "ACC", "compute", "batch_var", "Batch", "rounded"]
 
 Batch = Any  # the batch extent: the problem's n, or a symbolic ``tirx.Var``
+ACC = "float32"  # what every reduction accumulates in, whatever the problem's dtype
+
+
+def rounded(conv: DepthwiseConv, acc: te.Tensor, name: str) -> te.Tensor:
+    """``acc`` (fp32) rounded to the problem's dtype in a ``name`` stage; ``acc`` itself for an fp32 problem."""
+    if conv.dtype == ACC:
+        return acc
+    return te.compute(acc.shape, lambda *i: acc(*i).astype(conv.dtype), name=name)
 
 
 def _zero(dtype: str) -> Any:
@@ -73,10 +88,12 @@ def forward(conv: DepthwiseConv, batch: Batch) -> list[te.Tensor]:
     q = te.reduce_axis((0, kw), name="s")
     y = te.compute(
         _shape(batch, s["y"]),
-        lambda n, o, i, j: te.sum(pad[n, o // m, i * sh + r * dh, j * sw + q * dw] * w[o, 0, r, q], axis=[r, q]),
+        lambda n, o, i, j: te.sum(
+            pad[n, o // m, i * sh + r * dh, j * sw + q * dw].astype(ACC) * w[o, 0, r, q].astype(ACC), axis=[r, q]
+        ),
         name="y",
     )
-    return [x, w, y]
+    return [x, w, rounded(conv, y, "y_cast")]
 
 
 def grad_input(conv: DepthwiseConv, batch: Batch) -> list[te.Tensor]:
@@ -101,11 +118,12 @@ def grad_input(conv: DepthwiseConv, batch: Batch) -> list[te.Tensor]:
     dx = te.compute(
         _shape(batch, s["x"]),
         lambda n, c, i, j: te.sum(
-            dy_pad[n, c * m + mm, i + r * dh, j + q * dw] * w[c * m + mm, 0, kh - 1 - r, kw - 1 - q], axis=[mm, r, q]
+            dy_pad[n, c * m + mm, i + r * dh, j + q * dw].astype(ACC)
+            * w[c * m + mm, 0, kh - 1 - r, kw - 1 - q].astype(ACC), axis=[mm, r, q]
         ),
         name="dx",
     )
-    return [dy, w, dx]
+    return [dy, w, rounded(conv, dx, "dx_cast")]
 
 
 def grad_weight(conv: DepthwiseConv, batch: Batch) -> list[te.Tensor]:
@@ -118,18 +136,15 @@ def grad_weight(conv: DepthwiseConv, batch: Batch) -> list[te.Tensor]:
     rn = te.reduce_axis((0, batch), name="n")
     ri = te.reduce_axis((0, oh), name="i")
     rj = te.reduce_axis((0, ow), name="j")
-    acc = "float32"
     dw_ = te.compute(
         s["w"],
         lambda o, _, r, q: te.sum(
-            dy[rn, o, ri, rj].astype(acc) * pad[rn, o // m, ri * sh + r * dh, rj * sw + q * dw].astype(acc),
+            dy[rn, o, ri, rj].astype(ACC) * pad[rn, o // m, ri * sh + r * dh, rj * sw + q * dw].astype(ACC),
             axis=[rn, ri, rj],
         ),
         name="dw",
     )
-    if conv.dtype != acc:
-        dw_ = te.compute(s["w"], lambda *i: dw_(*i).astype(conv.dtype), name="dw_cast")
-    return [x, dy, dw_]
+    return [x, dy, rounded(conv, dw_, "dw_cast")]
 
 
 def compute(conv: DepthwiseConv, op: str, layout: str = "NCHW", batch: Batch | None = None) -> list[te.Tensor]:

@@ -21,7 +21,7 @@ from tvm import te, tirx
 
 from pipedp.ops.problem import DepthwiseConv
 
-from .ops import Batch
+from .ops import ACC, Batch, rounded
 
 __all__ = ["forward", "grad_input", "grad_weight", "activation_shape"]
 
@@ -68,10 +68,12 @@ def forward(conv: DepthwiseConv, batch: Batch) -> list[te.Tensor]:
     q = te.reduce_axis((0, kw), name="s")
     y = te.compute(
         _act(batch, s["y"]),
-        lambda n, i, j, o: te.sum(pad[n, i * sh + r * dh, j * sw + q * dw, o // m] * wt[r, q, o], axis=[r, q]),
+        lambda n, i, j, o: te.sum(
+            pad[n, i * sh + r * dh, j * sw + q * dw, o // m].astype(ACC) * wt[r, q, o].astype(ACC), axis=[r, q]
+        ),
         name="y",
     )
-    return [x, w, y]
+    return [x, w, rounded(conv, y, "y_cast")]
 
 
 def _phases(k: int, s: int, p: int, d: int, size: int, out: int) -> tuple[int, Any, Any, int, int]:
@@ -116,12 +118,13 @@ def grad_input(conv: DepthwiseConv, batch: Batch) -> list[te.Tensor]:
     def body(n: Any, i: Any, j: Any, c: Any) -> Any:
         r, q = tap_h(i, t), tap_w(j, u)
         o = c * m + mm
-        term = dy_pad[n, row_h(i, t) + top, row_w(j, u) + left, o] * wt[tirx.min(r, kh - 1), tirx.min(q, kw - 1), o]
+        term = (dy_pad[n, row_h(i, t) + top, row_w(j, u) + left, o].astype(ACC)
+                * wt[tirx.min(r, kh - 1), tirx.min(q, kw - 1), o].astype(ACC))
         live = [cond for cond, stride, k in ((r < kh, sh, kh), (q < kw, sw, kw)) if stride > 1 and k % stride]
-        return tirx.if_then_else(tirx.all(*live), term, _zero(conv.dtype)) if live else term
+        return tirx.if_then_else(tirx.all(*live), term, _zero(ACC)) if live else term
 
     dx = te.compute(_act(batch, s["x"]), lambda n, i, j, c: te.sum(body(n, i, j, c), axis=[mm, t, u]), name="dx")
-    return [dy, w, dx]
+    return [dy, w, rounded(conv, dx, "dx_cast")]
 
 
 def _grad_input_dilated(conv: DepthwiseConv, batch: Batch) -> list[te.Tensor]:
@@ -148,11 +151,12 @@ def _grad_input_dilated(conv: DepthwiseConv, batch: Batch) -> list[te.Tensor]:
     dx = te.compute(
         _act(batch, s["x"]),
         lambda n, i, j, c: te.sum(
-            dy_pad[n, i + r * dh, j + q * dw, c * m + mm] * wt[kh - 1 - r, kw - 1 - q, c * m + mm], axis=[mm, r, q]
+            dy_pad[n, i + r * dh, j + q * dw, c * m + mm].astype(ACC)
+            * wt[kh - 1 - r, kw - 1 - q, c * m + mm].astype(ACC), axis=[mm, r, q],
         ),
         name="dx",
     )
-    return [dy, w, dx]
+    return [dy, w, rounded(conv, dx, "dx_cast")]
 
 
 def grad_weight(conv: DepthwiseConv, batch: Batch) -> list[te.Tensor]:
@@ -165,11 +169,10 @@ def grad_weight(conv: DepthwiseConv, batch: Batch) -> list[te.Tensor]:
     rn = te.reduce_axis((0, batch), name="n")
     ri = te.reduce_axis((0, oh), name="i")
     rj = te.reduce_axis((0, ow), name="j")
-    acc = "float32"
     dwt = te.compute(
         (kh, kw, conv.out_channels),
         lambda r, q, o: te.sum(
-            dy[rn, ri, rj, o].astype(acc) * pad[rn, ri * sh + r * dh, rj * sw + q * dw, o // m].astype(acc),
+            dy[rn, ri, rj, o].astype(ACC) * pad[rn, ri * sh + r * dh, rj * sw + q * dw, o // m].astype(ACC),
             axis=[rn, ri, rj],
         ),
         name="dwT",

@@ -63,7 +63,8 @@ from .export import versions, write_library
 from .target import Target, target_key
 from .tuner import Measurement, Search, history_key
 
-__all__ = ["Round", "Ingested", "build_round", "ingest", "ingested", "round_state", "clear"]
+__all__ = ["Round", "Ingested", "build_round", "write_round", "compile_candidates", "ingest", "ingested",
+           "round_state", "clear"]
 
 
 @dataclass
@@ -184,7 +185,8 @@ def _fail_record(task: Task, target: str, config: dict[str, Any], e: Exception, 
                           round=number)
 
 
-def _compile(funcs: dict[str, Any], streams: dict[str, str], target: Target) -> tuple[Compiled, set[str]]:
+def compile_candidates(funcs: dict[str, Any], streams: dict[str, str],
+                       target: Target) -> tuple[Compiled, set[str]]:
     """The round's module compiled; if that fails, each function alone to find the ones that do not compile."""
     try:
         return compile_module(tvm.IRModule(funcs), target, streams), set()
@@ -275,19 +277,20 @@ def build_round(folder: str, tasks: list[Task], target: Target, records_path: st
     else:
         raise RuntimeError("three batches in a row had no candidate that could be scheduled (see the failed "
                            f"records in {records_path}): report this as a bug of the templates")
-    lib, bad = _compile(found.funcs, found.streams, target)
+    lib, bad = compile_candidates(found.funcs, found.streams, target)
     for sym in sorted(bad):
         task, config = found.origin.pop(sym)
         R.append(records_path, _fail_record(task, key, config, RuntimeError("does not compile"), found.number))
         found.failed += 1
     entries = [{"id": i, "symbol": sym, "op": task[1], "problem": task[0].key(), "layout": task[2], "config": config}
                for i, (sym, (task, config)) in enumerate(found.origin.items())]
-    return Round(folder, _write(folder, lib, found.number, key, target, entries), found.kernels, found.failed)
+    return Round(folder, write_round(folder, lib, found.number, key, target, entries), found.kernels, found.failed)
 
 
-def _write(folder: str, lib: Compiled, number: int, key: str, target: Target,
-           entries: list[dict[str, Any]]) -> dict[str, Any]:
-    """The library, then the manifest naming it (atomically), the previous round's files removed.
+def write_round(folder: str, lib: Compiled, number: int, key: str, target: Target,
+                entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The library, then the manifest naming it (atomically), the previous round's files removed; ``entries``
+    are the candidates (id, symbol, op, problem, layout, config) :func:`~pipedp.ops.measure.read_manifest` checks.
 
     A crash in between leaves either the previous round (ingested, so the
     next run builds this one again) or this one, never a results file beside

@@ -10,7 +10,7 @@ builder, the tuner and the exporter see templates only through
 registers one object, and nothing that searches or compiles changes.
 
 Each template module registers its object when imported; the built-in ones
-(``cpu``, ``cpu_nhwc``, ``cuda``) are imported on the first lookup, not
+(``cpu``, ``cpu_nhwc``, ``cuda``, ``cuda_nhwc``) are imported on the first lookup, not
 here, because they import TVM's schedule API and this module must stay
 importable for type annotations alone.
 """
@@ -54,7 +54,7 @@ class Template(Protocol):
         ...
 
 
-_BUILTIN = ("cpu", "cpu_nhwc", "cuda")
+_BUILTIN = ("cpu", "cpu_nhwc", "cuda", "cuda_nhwc")
 _REGISTRY: dict[tuple[str, str], Template] = {}
 
 
@@ -79,7 +79,7 @@ def target_kind(target: Target | str) -> str:
 def layouts_for(target: Target | str) -> tuple[str, ...]:
     """Activation layouts the target kind has templates for, in :data:`~pipedp.ops.layout.LAYOUTS` order.
 
-    CUDA has NCHW only: torch's native depthwise layout there.
+    Every target kind here has both: CUDA (torch's native kernel in NCHW, cuDNN in NHWC) as the CPU.
     """
     _load_builtin()
     kind = target_kind(target)

@@ -39,8 +39,8 @@ from . import threads
 from .layout import arrange, empty
 from .problem import DepthwiseConv
 
-__all__ = ["Kernel", "WrongResult", "reference", "prepare", "check", "call", "kernel_fn", "torch_fn", "alternate",
-           "measure_us", "torch_us"]
+__all__ = ["Kernel", "WrongResult", "tolerance", "reference", "prepare", "check", "call", "kernel_fn", "torch_fn",
+           "alternate", "measure_us", "torch_us"]
 
 
 class Kernel(Protocol):
@@ -80,7 +80,8 @@ def reference(conv: DepthwiseConv, op: str, device: torch.device,
     return [x, dy], wr.grad
 
 
-def _tolerance(conv: DepthwiseConv, op: str) -> float:
+def tolerance(conv: DepthwiseConv, op: str) -> float:
+    """The largest error, relative to the result's scale (at least 1), that summation order explains."""
     terms = conv.kernel[0] * conv.kernel[1] * (conv.multiplier if op == "dgrad" else 1)
     if op == "wgrad":
         terms = conv.n * conv.out_hw[0] * conv.out_hw[1]
@@ -120,9 +121,9 @@ def check(kernel: Kernel, conv: DepthwiseConv, op: str, device: torch.device, la
     out = call(kernel, op, layout, inputs, tuple(ref.shape))
     err = (out.float() - ref.float()).abs().max().item()
     scale = max(1.0, ref.float().abs().max().item())
-    tolerance = _tolerance(conv, op) * scale
-    if not err <= tolerance:
-        raise WrongResult(f"{op} kernel for {conv} differs from torch by {err:.3g} (tolerance {tolerance:.3g})")
+    limit = tolerance(conv, op) * scale
+    if not err <= limit:
+        raise WrongResult(f"{op} kernel for {conv} differs from torch by {err:.3g} (tolerance {limit:.3g})")
     return err
 
 

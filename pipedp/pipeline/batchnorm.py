@@ -25,6 +25,7 @@ buffer names and objects never change.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -110,8 +111,8 @@ class DeferredBatchNorm:
         self._stats: dict[_BatchNorm, _Stats] = {
             m: _Stats() for m in _tracked(model) if keep is None or m in keep
         }
-        self._chain: int = -1  # the chain whose forward is running, -1 outside one
-        self._calls: dict[_BatchNorm, int] = {}  # calls of each module within the running chain forward
+        # Per thread: concurrent CPU stages run their chains' forwards on their own worker threads.
+        self._here = threading.local()
         self._handles = []
         for pos, chain in enumerate(chains):
             self._handles.append(chain.register_forward_pre_hook(lambda *_, p=pos: self._enter(p)))
@@ -142,19 +143,18 @@ class DeferredBatchNorm:
         self.active = False
 
     def _enter(self, pos: int) -> None:
-        self._chain = pos
-        self._calls = {}
+        self._here.chain, self._here.calls = pos, {}  # the chain running here; its calls of each module
 
     def _leave(self) -> None:
-        self._chain = -1
-        self._calls = {}
+        self._here.chain, self._here.calls = -1, {}
 
     def _use(self, m: _BatchNorm) -> _Use:
-        if self._chain < 0:
+        chain, calls = getattr(self._here, "chain", -1), getattr(self._here, "calls", {})
+        if chain < 0:
             return (-1, 0)  # no chain: every call is the next microbatch of one use
-        k = self._calls.get(m, 0)
-        self._calls[m] = k + 1
-        return (self._chain, k)
+        k = calls.get(m, 0)
+        calls[m] = k + 1
+        return (chain, k)
 
     def _before(self, m: _BatchNorm, args: tuple[Any, ...]) -> None:
         if not (self.active and m.training):

@@ -7,7 +7,10 @@ stage's backward. Activations cross a stage boundary detached, as a fresh leaf
 that requires grad; its ``.grad`` after the next stage's backward is the
 gradient sent back. Nothing here synchronises the host, so a step stays
 asynchronous on CUDA. On devices without streams every lane is the in-order
-stand-in and the same code runs sequentially.
+stand-in and the same code runs sequentially, unless the lanes have CPU
+workers: then each action is queued to its stage's worker, to start once the
+action it depends on (as above) is done, and the step waits for all of them
+at its end (:mod:`~pipedp.pipeline.cpu_lane`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
+from .cpu_lane import Flight
 from .p2p import Transport
 from .ranks import check_programs, rank_programs
 from .schedule import Action, Schedule, forward_only
@@ -41,7 +45,7 @@ class StepTimer:
         self.clock = clock
         self.events: list[tuple[int, str, torch.device, "torch.cuda.Event", "torch.cuda.Event"]] = []
         self.host_spans: list[tuple[int, str, float, float]] = []
-        self._t0 = 0.0
+        self._t0: dict[int, float] = {}  # per lane: CPU workers time their stages concurrently
         self._start: "torch.cuda.Event | None" = None
 
     def begin(self, lane: Lane) -> None:
@@ -49,7 +53,7 @@ class StepTimer:
             self._start = torch.cuda.Event(enable_timing=True)
             self._start.record(lane.stream)
         else:
-            self._t0 = time.perf_counter()
+            self._t0[id(lane)] = time.perf_counter()
 
     def end(self, stage: int, lane: Lane, label: str = "") -> None:
         if lane.is_cuda:
@@ -58,10 +62,10 @@ class StepTimer:
             assert self._start is not None
             self.events.append((stage, label, lane.device, self._start, end))
         else:
-            t = time.perf_counter()
-            self.host_ms[stage] += (t - self._t0) * 1e3
+            t, t0 = time.perf_counter(), self._t0[id(lane)]
+            self.host_ms[stage] += (t - t0) * 1e3
             if self.clock is not None:
-                self.host_spans.append((stage, label, self._t0, t))
+                self.host_spans.append((stage, label, t0, t))
 
     def ready(self) -> bool:
         return all(e[-1].query() for e in self.events)
@@ -152,6 +156,13 @@ class Executor:
         self.devices = list(dict.fromkeys(s.device for s in self.stages))
         # One copy lane per device: cross-device copies run on the source device's copy lane.
         self.copy_lanes = {d: new_lane(d, f"copy:{d}") for d in self.devices if len(self.devices) > 1}
+        # Lanes the stages' layers issue work on besides the stage's own (split weight gradients): joined too.
+        self.side_lanes: list[Lane] = []
+        workers = [st.lane.worker is not None for st in self.stages]
+        if any(workers) and (not all(workers) or transport is not None or self.devices[0].type != "cpu"):
+            raise ValueError("CPU worker lanes need every stage on the CPU of this process (no pipeline ranks): "
+                             "give every stage a thread count, or none")
+        self.workers = all(workers) and bool(workers)
 
     # -- plumbing ---------------------------------------------------------------------------------
     def _fork(self) -> None:
@@ -168,6 +179,9 @@ class Executor:
                     cur.wait_lane(s.lane)
             if d in self.copy_lanes:
                 cur.wait_lane(self.copy_lanes[d])
+            for side in self.side_lanes:
+                if side.device == d:
+                    cur.wait_lane(side)
 
     def _move(self, t: torch.Tensor, ready: "torch.cuda.Event | None", src: torch.device, dst: Lane) -> torch.Tensor:
         """``t`` (made on ``src`` when ``ready`` fires) usable on lane ``dst``."""
@@ -187,22 +201,39 @@ class Executor:
         copy.keep(t)
         return out
 
-    def _run(self, order: list[tuple[int, Action]], step: "_Step", sync: GradSyncLike | None = None) -> None:
+    def _act(self, s: int, act: Action, step: "_Step", sync: GradSyncLike | None,
+             update: StageUpdateLike | None = None) -> None:
+        with self.local[s].lane.use():
+            if act.kind == "F":
+                step.forward(s, act.microbatch)
+                return
+            last = act.microbatch == self.last_backward[s]
+            if last and sync is not None:
+                sync.arm(self.pos[s])
+            step.backward(s, act.microbatch)
+            if last and sync is not None:
+                sync.finish(self.pos[s])
+            if last and update is not None:
+                update.stage_done(self.pos[s])
+
+    def _run(self, order: list[tuple[int, Action]], step: "_Step", sync: GradSyncLike | None = None,
+             update: StageUpdateLike | None = None) -> None:
         self._fork()
-        for s, act in order:
-            lane = self.local[s].lane
-            with lane.use():
-                if act.kind == "F":
-                    step.forward(s, act.microbatch)
-                    continue
-                last = sync is not None and act.microbatch == self.last_backward[s]
-                if last:
-                    sync.arm(self.pos[s])
-                step.backward(s, act.microbatch)
-                if last:
-                    sync.finish(self.pos[s])
+        if self.workers:
+            flight = Flight()
+            for s, act in order:
+                after = [(s - 1, act)] if act.kind == "F" else [(s + 1, act)]
+                flight.submit(self.local[s].lane.worker, (s, act),
+                              lambda s=s, act=act: self._act(s, act, step, sync, update),
+                              after=after, label=f"stage {s} ({self.local[s].names[-1]}), {act}")
+            flight.wait()
+        else:
+            for s, act in order:
+                self._act(s, act, step, sync, update)
         if self.transport is not None:
             self.transport.flush()
+        if update is not None:
+            update.join()
         self._join()
 
     # -- training -------------------------------------------------------------------------------
@@ -215,6 +246,7 @@ class Executor:
         timer: StepTimer | None = None,
         sync: GradSyncLike | None = None,
         loss_scale: torch.Tensor | None = None,
+        update: StageUpdateLike | None = None,
     ) -> torch.Tensor | None:
         """Forward and backward of every microbatch; returns the weighted loss sum (detached).
 
@@ -223,14 +255,15 @@ class Executor:
         loss is multiplied by ``weights[i]`` (and by ``loss_scale``, fp16 loss
         scaling, which the returned sum leaves out) before its backward;
         gradients accumulate in the parameters' ``.grad``. ``sync.arm(k)``/``sync.finish(k)``
-        bracket the last backward of local stage k. Returns None on a rank
+        bracket the last backward of local stage k, and ``update.stage_done(k)``
+        follows it (an early optimizer update). Returns None on a rank
         without the last stage.
         """
         m = self.microbatches
         if not (len(xs) == len(ys) == len(weights) == m):
             raise ValueError(f"expected {m} microbatches, got {len(xs)} inputs and {len(ys)} targets")
         step = _Step(self, xs, ys, weights, loss_fn, timer, loss_scale)
-        self._run(self.train_order, step, sync)
+        self._run(self.train_order, step, sync, update)
         if step.total is not None:
             current_lane(self.stages[-1].device).keep(step.total)
         return step.total
@@ -262,6 +295,12 @@ class GradSyncLike(Protocol):
     def arm(self, stage: int) -> None: ...
 
     def finish(self, stage: int) -> None: ...
+
+
+class StageUpdateLike(Protocol):
+    def stage_done(self, stage: int) -> None: ...
+
+    def join(self) -> None: ...
 
 
 class _Step:

@@ -7,7 +7,15 @@ so nothing is copied in or out. Gradients accumulate over microbatches; during
 a stage's *last* backward of the step a bucket is all-reduced (asynchronously,
 on that stage's own communication lane) the moment its last parameter has
 accumulated, while this and other stages are still in backward. The optimizer
-waits only on those collectives (:meth:`GradSync.wait`).
+waits only on those collectives (:meth:`GradSync.wait`), or, with an early
+optimizer update, each stage's update waits only on that stage's buckets
+(:meth:`GradSync.wait_stage`).
+
+Gradients accumulated off the stage's stream (a convolution's weight gradient
+on a side lane, :mod:`~pipedp.pipeline.split_grad`) reach a bucket through
+:meth:`GradSync.accumulated` instead of autograd's hook, and a bucket is
+launched only after the lanes in :attr:`GradSync.after` for its stage (those
+side lanes), since its last gradient may have been added on either.
 
 Averaging: the result is the gradient of the global batch's mean loss, as if
 one process trained on all ranks' samples at once. The global batch of
@@ -149,6 +157,8 @@ class GradSync:
             dev = mine[0].device if mine else torch.device("cpu")
             self.lanes.append(new_lane(dev, f"gradsync{s}"))
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulated) for b in self.buckets for p in b.params]
+        self.after: dict[int, list[Lane]] = {}  # per stage: other lanes its gradients are accumulated on
+        self._waited: set[int] = set()  # buckets (by position) this step already waited for
         # The step's local batch size, summed over the group on each device that has buckets.
         self._counts = {b.flat.device: torch.zeros(1, dtype=torch.float64, device=b.flat.device) for b in self.buckets}
         self._local = 0
@@ -171,6 +181,7 @@ class GradSync:
                     p.grad = b.flat[off : off + n].view_as(p)
                     off += n
         self._armed.clear()
+        self._waited.clear()
         self._count_work, self._weights = {}, {}
 
     def begin(self, local_batch: int) -> None:
@@ -223,6 +234,10 @@ class GradSync:
                 self._launch(b)
         self._armed.discard(stage)
 
+    def accumulated(self, p: torch.Tensor) -> None:
+        """``p``'s gradient was accumulated outside autograd (on the current stream)."""
+        self._accumulated(p)
+
     def _accumulated(self, p: torch.Tensor) -> None:
         b = self._of.get(id(p))
         if b is None or b.stage not in self._armed or b.work is not None:
@@ -235,8 +250,10 @@ class GradSync:
         lane = self.lanes[b.stage]
         dev = b.flat.device
         if lane.is_cuda:
-            # The bucket's last accumulation was issued on the current stream (the stage's).
+            # The bucket's last accumulation was issued on the current stream (the stage's), or on a side lane.
             lane.wait_lane(current_lane(dev))
+            for other in self.after.get(b.stage, ()):
+                lane.wait_lane(other)
         with lane.use():
             if lane.is_cuda:
                 start = torch.cuda.Event(enable_timing=True)
@@ -263,6 +280,32 @@ class GradSync:
             else:
                 b.work.get_future().add_done_callback(lambda _f, d=b.done: d.append(time.perf_counter()))
 
+    def wait_stage(self, stage: int) -> None:
+        """Make the current stream (CPU: the host) wait for stage ``stage``'s buckets (after its :meth:`finish`)."""
+        for k, b in enumerate(self.buckets):
+            if b.stage != stage or k in self._waited:
+                continue
+            if b.work is None:
+                self._launch(b)
+            lane = self.lanes[b.stage]
+            if lane.is_cuda:
+                cur = current_lane(b.flat.device)
+                cur.wait_lane(lane)
+                cur.keep(b.flat)
+            else:
+                self._wait_work(b)
+            self._waited.add(k)
+
+    def _wait_work(self, b: _Bucket) -> None:
+        """The host waits for ``b``'s all-reduce (CPU) and the result lands in the bucket."""
+        try:
+            b.work.wait(self.timeout)
+        except RuntimeError as e:
+            raise DistributedError(self._failure("waiting for", e)) from e
+        if b.wire is not b.flat:
+            assert b.wire is not None
+            b.flat.copy_(b.wire)
+
     def wait(self) -> None:
         """Make the optimizer's stream (CPU: the host) wait for every bucket's all-reduce."""
         for b in self.buckets:
@@ -270,8 +313,10 @@ class GradSync:
                 self._launch(b)
         self._wait_started = time.perf_counter()
         self._wait_events = {}
-        for b in self.buckets:
+        for k, b in enumerate(self.buckets):
             lane = self.lanes[b.stage]
+            if k in self._waited and not lane.is_cuda:
+                continue
             if lane.is_cuda:
                 cur = current_lane(b.flat.device)
                 if b.flat.device not in self._wait_events:
@@ -281,13 +326,7 @@ class GradSync:
                 cur.wait_lane(lane)
                 cur.keep(b.flat)
                 continue
-            try:
-                b.work.wait(self.timeout)
-            except RuntimeError as e:
-                raise DistributedError(self._failure("waiting for", e)) from e
-            if b.wire is not b.flat:
-                assert b.wire is not None
-                b.flat.copy_(b.wire)
+            self._wait_work(b)
         self._wait_done = time.perf_counter()
         self.step += 1
 

@@ -2,7 +2,10 @@
 
 Each stage issues its work on a :class:`Lane`: a CUDA stream on a CUDA device,
 or, elsewhere, a stand-in whose operations are no-ops because the device runs
-everything in the order the host issues it. Lanes are ordered with events only,
+everything in the order the host issues it. A CPU lane may instead own a
+:class:`~pipedp.pipeline.cpu_lane.CpuWorker` (its own thread, intra-op thread
+count and cores): the executor then queues the stage's work to it, so CPU
+stages run concurrently. Lanes are ordered with events only,
 never by synchronising the host, so a whole step stays asynchronous (and
 capturable as a CUDA graph).
 """
@@ -10,9 +13,11 @@ capturable as a CUDA graph).
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
+
+from .cpu_lane import CpuWorker
 
 __all__ = ["Lane", "new_lane", "current_lane"]
 
@@ -20,10 +25,12 @@ __all__ = ["Lane", "new_lane", "current_lane"]
 class Lane:
     """Where a stage's work is issued: a device plus (on CUDA) a stream."""
 
-    def __init__(self, device: torch.device, stream: "torch.cuda.Stream | None", name: str) -> None:
+    def __init__(self, device: torch.device, stream: "torch.cuda.Stream | None", name: str,
+                 worker: CpuWorker | None = None) -> None:
         self.device = device
         self.stream = stream
         self.name = name
+        self.worker = worker  # a CPU lane's own thread (None: work runs on the host thread, in issue order)
 
     @property
     def is_cuda(self) -> bool:
@@ -66,16 +73,25 @@ class Lane:
             tensor.record_stream(self.stream)
 
     def __repr__(self) -> str:
-        return f"Lane({self.name}, {self.device})"
+        extra = f", threads={self.worker.threads}" if self.worker is not None else ""
+        return f"Lane({self.name}, {self.device}{extra})"
 
 
-def new_lane(device: torch.device, name: str) -> Lane:
-    """A fresh lane on ``device``: a new CUDA stream, or the in-order stand-in."""
+def new_lane(device: torch.device, name: str, threads: int | None = None,
+             cores: Sequence[int] | None = None) -> Lane:
+    """A fresh lane on ``device``: a new CUDA stream, or the in-order stand-in.
+
+    ``threads`` (CPU only) gives the lane its own worker thread with that many
+    intra-op threads, pinned to ``cores`` when given.
+    """
     device = torch.device(device)
     if device.type == "cuda":
+        if threads is not None:
+            raise ValueError(f"threads= sets CPU stages' thread counts; stage {name} is on {device}: pass threads=None")
         with torch.cuda.device(device):
             return Lane(device, torch.cuda.Stream(device), name)
-    return Lane(device, None, name)
+    worker = CpuWorker(threads, cores, name) if threads is not None else None
+    return Lane(device, None, name, worker)
 
 
 def current_lane(device: torch.device) -> Lane:

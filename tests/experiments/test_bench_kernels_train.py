@@ -41,3 +41,19 @@ def test_without_kernels_it_says_how_to_get_them(tmp_path):
 def test_bad_input_shape(tmp_path, shape):
     with pytest.raises(SystemExit, match="input-shape"):
         bench_kernels_train.main(["--input-shape", shape, "--db", str(tmp_path)])
+
+
+@pytest.mark.slow  # (tunes both layouts)
+def test_best_layout_runs_both_formats_with_and_without_kernels(tmp_path):
+    (tmp_path / "net.py").write_text(MODEL)
+    report = bench_kernels_train.main([
+        "--model", f"{tmp_path / 'net.py'}:build", "--input-shape", "4,3,16,16", "--tune", "--trials", "1",
+        "--kernels", "tvm", "--layout", "best", "--db", str(tmp_path / "db"), "--windows", "1", "--window", "1",
+        "--allocator", "default"])
+    med = report["median_step_s"]
+    assert set(med) == {"plain nchw", "plain nhwc", "kernels nchw", "kernels nhwc"}
+    assert report["swapped_by_layout"] == {"nchw": 2, "nhwc": 2}
+    assert report["plain_best"] == min(("plain nchw", "plain nhwc"), key=med.get)
+    assert report["speedup"] == pytest.approx(med[report["plain_best"]] / med[report["kernels_best"]])
+    assert report["speedup_same_layout"]["nhwc"] == pytest.approx(med["plain nhwc"] / med["kernels nhwc"])
+    assert report["grad_rel_diff"] < 1e-5 and all(len(v) == 2 for v in report["losses"].values())

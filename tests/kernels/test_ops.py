@@ -69,11 +69,12 @@ def test_nhwc_kernels_take_channels_last_tensors_without_a_copy(target):
     assert y.is_contiguous(memory_format=torch.channels_last) and torch.allclose(y, ref, atol=1e-5)
 
 
-def test_cuda_has_no_nhwc_template():
+def test_cuda_has_a_template_for_each_layout():
     cuda = make_target("cuda", "sm_90")
-    assert layouts_for(cuda) == ("NCHW",) and layouts_for(make_target("cpu")) == LAYOUTS
-    with pytest.raises(ValueError, match="no cuda template"):
-        get_template(cuda, "NHWC")
+    assert layouts_for(cuda) == LAYOUTS and layouts_for(make_target("cpu")) == LAYOUTS
+    assert (get_template(cuda, "NCHW").name, get_template(cuda, "NHWC").name) == ("cuda", "cuda-nhwc")
+    with pytest.raises(ValueError, match="layout 'NCHWc' has no cuda template"):
+        get_template(cuda, "NCHWc")
 
 
 def test_check_rejects_a_wrong_kernel():

@@ -45,21 +45,26 @@ def test_cuda_constraints_reject_before_compiling():
         cuda.validate(conv, "fwd", {**ok, "tile_c": 1, "th": 1, "tw": 4})  # 4 threads: under a warp
     with pytest.raises(InvalidConfig, match="shared memory"):
         cuda.validate(DepthwiseConv(1, 8, 512, 512, kernel=7, padding=3), "fwd",
+                      {**ok, "tile_c": 4, "th": 8, "tw": 16, "ih": 4, "vt_h": 2, "vt_w": 4, "iw": 2})
+    with pytest.raises(InvalidConfig, match="registers per block"):  # 1024 threads x 64 accumulators: would spill
+        cuda.validate(DepthwiseConv(1, 8, 512, 512, padding=1), "fwd",
                       {**ok, "tile_c": 4, "th": 16, "tw": 16, "ih": 4, "vt_h": 2, "vt_w": 4, "iw": 2})
     with pytest.raises(InvalidConfig, match="twice"):
-        cuda.validate(DepthwiseConv(8, 32, 4, 4, padding=1), "fwd", ok)
-    assert len(cuda.features(conv, "fwd", ok)) == 5 and len(cpu.features(conv, "wgrad", {"lanes": 8})) == 3
+        cuda.validate(DepthwiseConv(8, 32, 4, 4, padding=1), "fwd", {**ok, "flat": 0})  # (small planes have flat)
+    assert len(cuda.features(conv, "fwd", ok)) == 7 and len(cpu.features(conv, "wgrad", {"lanes": 8})) == 3
 
 
 def test_cuda_constraints_hold_at_every_batch_size():
     # A kernel serves every batch size: a block's planes are one sample's channels, whatever n was tuned.
     with pytest.raises(InvalidConfig, match="exceeds the 2 channels of a sample"):
         cuda.validate(DepthwiseConv(64, 2, 16, 16, padding=1), "fwd",
-                      {"tile_c": 4, "vt_h": 1, "vt_w": 1, "th": 2, "tw": 8, "ih": 1, "iw": 1, "unroll": 0})
+                      {"tile_c": 4, "vt_h": 1, "vt_w": 1, "th": 2, "tw": 8, "ih": 1, "iw": 1, "unroll": 0, "flat": 0})
     # grad-weight keeps every thread's partial sums of all taps in shared memory
-    cuda.validate(DepthwiseConv(8, 32, 14, 14, kernel=5, padding=2), "wgrad", {"threads": 256, "unroll": 16})
+    cuda.validate(DepthwiseConv(8, 32, 14, 14, kernel=5, padding=2), "wgrad",
+                  {"threads": 256, "unroll": 16, "splits": 1})
     with pytest.raises(InvalidConfig, match="51200 bytes of shared memory per block"):
-        cuda.validate(DepthwiseConv(8, 32, 14, 14, kernel=5, padding=2), "wgrad", {"threads": 512, "unroll": 16})
+        cuda.validate(DepthwiseConv(8, 32, 14, 14, kernel=5, padding=2), "wgrad",
+                      {"threads": 512, "unroll": 16, "splits": 1})
 
 
 def test_cpu_space_uses_tiles_that_divide_the_output():
@@ -80,7 +85,7 @@ def test_configs_recorded_before_a_knob_existed_get_what_they_did_then():
 
 def test_templates_are_registered_by_target_kind_and_layout(monkeypatch):
     assert (cpu.name, cuda.name, template.get_template("llvm", "NHWC").name) == ("cpu", "cuda", "cpu-nhwc")
-    assert template.layouts_for("llvm") == ("NCHW", "NHWC") and template.layouts_for("cuda") == ("NCHW",)
+    assert template.layouts_for("llvm") == ("NCHW", "NHWC") and template.layouts_for("cuda") == ("NCHW", "NHWC")
     with pytest.raises(ValueError, match="no template for rocm targets: there are for cuda, llvm"):
         template.get_template("rocm")
 

@@ -1,0 +1,165 @@
+"""The single-device training steps pipedp is measured against: what a user reaches for first.
+
+Four ways to run the plain step (forward, loss, backward, SGD update) of the
+unmodified model, each in two numerics:
+
+* ``eager``: plain PyTorch;
+* ``graph``: the whole eager step captured once as a CUDA graph and replayed
+  (PyTorch's documented recipe; CUDA only);
+* ``compile``: ``torch.compile(model)`` in its default mode;
+* ``max-autotune``: ``torch.compile(model, mode="max-autotune")``, which also
+  autotunes kernels and runs the compiled graphs as CUDA graphs (CUDA only;
+  its compile takes minutes).
+
+Numerics ``fp32`` is NCHW without autocast; ``bf16cl`` is bf16 autocast with
+the model and batches in channels-last memory format (what tensor cores
+prefer). Each step trains its own model and optimizer; compile time is the
+time its first steps take, reported apart from the timed windows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipedp.pipeline.graphed import fresh_cublas_workspaces
+
+__all__ = ["Step", "Numerics", "NUMERICS", "BASELINES", "numerics", "in_format", "prepare", "skip_reason",
+           "make_baseline", "plain_step", "graphed_step"]
+
+Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+BASELINES = ("eager", "graph", "compile", "max-autotune")
+_CUDA_ONLY = {"graph": "CUDA graphs need a CUDA device",
+              "max-autotune": "mode='max-autotune' runs CUDA graphs: it needs a CUDA device"}
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """How a step computes: autocast dtype (None: fp32) and memory format."""
+
+    name: str
+    autocast: torch.dtype | None
+    channels_last: bool
+
+    @property
+    def precision(self) -> str:
+        """pipedp's ``precision=`` for the same numerics."""
+        return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.autocast, "fp32")  # type: ignore[arg-type]
+
+
+NUMERICS = {"fp32": Numerics("fp32", None, False), "bf16cl": Numerics("bf16cl", torch.bfloat16, True)}
+
+
+def numerics(name: str) -> Numerics:
+    if name not in NUMERICS:
+        raise ValueError(f"unknown numerics {name!r}: choose from {', '.join(NUMERICS)}")
+    return NUMERICS[name]
+
+
+def in_format(x: torch.Tensor, num: Numerics) -> torch.Tensor:
+    """Batch ``x`` in the memory format of ``num``."""
+    return x.contiguous(memory_format=torch.channels_last) if num.channels_last and x.dim() == 4 else x
+
+
+def prepare(model: nn.Module, x: torch.Tensor, num: Numerics) -> tuple[nn.Module, torch.Tensor]:
+    """``model`` and batch ``x`` in the memory format of ``num``."""
+    if num.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return model, in_format(x, num)
+
+
+def skip_reason(kind: str, device: torch.device, compile_on_cpu: bool = False) -> str | None:
+    """Why baseline ``kind`` does not run on ``device`` (None: it runs)."""
+    if kind not in BASELINES:
+        raise ValueError(f"unknown baseline {kind!r}: choose from {', '.join(BASELINES)}")
+    if device.type != "cuda" and kind in _CUDA_ONLY:
+        return _CUDA_ONLY[kind]
+    if device.type != "cuda" and kind == "compile" and not compile_on_cpu:
+        return "torch.compile on a CPU takes minutes per model: pass --compile-on-cpu to time it"
+    return None
+
+
+def _forward_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, num: Numerics,
+                  cache: bool = True) -> torch.Tensor:
+    with torch.autocast(x.device.type, dtype=num.autocast, enabled=num.autocast is not None, cache_enabled=cache):
+        return F.cross_entropy(model(x), y)
+
+
+def plain_step(model: nn.Module, opt: torch.optim.Optimizer, num: Numerics,
+               before: Callable[[], object] | None = None) -> Step:
+    """The eager step; ``before`` runs first each step (max-autotune marks a new CUDA-graph step there)."""
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if before is not None:
+            before()
+        opt.zero_grad(set_to_none=True)
+        loss = _forward_loss(model, x, y, num)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return step
+
+
+def graphed_step(model: nn.Module, opt: torch.optim.Optimizer, num: Numerics, x0: torch.Tensor, y0: torch.Tensor,
+                 stream: torch.cuda.Stream | None = None) -> tuple[Step, Callable[[], None]]:
+    """The eager step captured whole as a CUDA graph: (step copying a batch in and replaying, bare replay).
+
+    Warm-up runs on a side stream (cuDNN plans, optimizer state), then one
+    capture on its own stream with fresh cuBLAS workspaces, as several graphs
+    live in one process (see ``pipedp.pipeline.graphed``). Autocast's weight
+    cache is off inside the capture, as CUDA graphs require. The bare replay
+    (no copies) runs on ``stream`` when given: the ceiling test replays copies
+    of it side by side.
+    """
+    side = torch.cuda.Stream(x0.device)
+    side.wait_stream(torch.cuda.current_stream(x0.device))
+    eager = plain_step(model, opt, num)
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            eager(x0, y0)
+    torch.cuda.current_stream(x0.device).wait_stream(side)
+    sx, sy = x0.clone(memory_format=torch.preserve_format), y0.clone()
+    graph = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=True)
+    fresh_cublas_workspaces()
+    with torch.cuda.graph(graph, stream=torch.cuda.Stream(x0.device)):
+        loss = _forward_loss(model, sx, sy, num, cache=False)
+        loss.backward()
+        opt.step()
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        sx.copy_(x, non_blocking=True)
+        sy.copy_(y, non_blocking=True)
+        graph.replay()
+        return loss.detach().clone()
+
+    def replay() -> None:
+        if stream is None:
+            graph.replay()
+            return
+        with torch.cuda.stream(stream):
+            graph.replay()
+
+    # The graph writes into the model's parameters and the optimizer's state: they live as long as the steps.
+    step.owners = replay.owners = (model, opt, graph)  # type: ignore[attr-defined]
+    return step, replay
+
+
+def make_baseline(kind: str, num: Numerics, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                  lr: float = 0.05) -> Step:
+    """Baseline ``kind`` training ``model`` (already in ``num``'s memory format) with SGD on batches like ``x``."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    if kind == "eager":
+        return plain_step(model, opt, num)
+    if kind == "graph":
+        return graphed_step(model, opt, num, x, y)[0]
+    if kind == "compile":
+        return plain_step(torch.compile(model), opt, num)  # type: ignore[arg-type]
+    if kind == "max-autotune":
+        return plain_step(torch.compile(model, mode="max-autotune"), opt, num,  # type: ignore[arg-type]
+                          before=torch.compiler.cudagraph_mark_step_begin)
+    raise ValueError(f"unknown baseline {kind!r}: choose from {', '.join(BASELINES)}")

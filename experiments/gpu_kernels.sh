@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# The GPU measurement of the depthwise kernels as one command (no network, no compiler; about 5 minutes on
+# an H100, each step cut to fit 560 s in all):
+#   (a) the CUDA kernel tests: every kernel of the carried library against torch on the GPU;
+#   (b) a tuning round, if one is carried in .gpu/round (tune-kernels --remote-round .gpu/round), measured;
+#   (c) the benchmark: fwd, grad-input and grad-weight of MobileNetV2's and EfficientNet-B0's depthwise
+#       convolutions at 32x32 and 224x224, batch 64 and 128, fp32 and bf16, against torch's best layout per
+#       shape, with the memory bound at each size (experiments/bench_depthwise_gpu.py);
+#   (d) a MobileNetV2 training step (CIFAR, batch 128) with kernels="auto" vs plain torch, each in its best
+#       layout, kernels="auto" deciding by (c)'s timings.
+# Results go to OUTDIR (at most 6 files: device.txt, run.log, depthwise_gpu.json, depthwise_gpu.md,
+# train_step.json, round_results.json).
+#   bash experiments/gpu_kernels.sh OUTDIR [--quick]
+# Carry .gpu: the runtime bundle (bash ../shared/tools/gpu-bundle.sh: .gpu/wheels, .gpu/tvmlib) and the
+# library (python -m experiments.build_gpu_kernels --arch sm_90 --out .gpu/kernels).
+set -uo pipefail
+out=${1:?usage: gpu_kernels.sh OUTDIR [--quick]}
+quick=${2:-}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+log=$out/run.log
+budget=${GPU_KERNELS_BUDGET:-560}  # seconds for the whole command (a run gets 600): each step is cut to fit
+left() { echo $(( budget - SECONDS - $1 )); }  # seconds left, keeping $1 for the steps after this one
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+status=0
+
+# The TVM runtime (tvm_ffi and libtvm_runtime*.so) from the bundle, where the host has none of its own.
+if ! python3 -c "import tvm_ffi" 2>/dev/null && compgen -G ".gpu/wheels/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/pipedp-site .gpu/wheels/*.whl \
+    && export PYTHONPATH=/tmp/pipedp-site:$PYTHONPATH
+fi
+[ -d .gpu/tvmlib ] && export PIPEDP_TVM_LIB=${PIPEDP_TVM_LIB:-$PWD/.gpu/tvmlib}
+# pipedp.kernels and pipedp.experiments as an installed pipedp has them (the wheel maps kernels/ and
+# experiments/ below pipedp): an overlay of links, where pipedp runs from this checkout uninstalled.
+if ! python3 -c "import pipedp.kernels" 2>/dev/null; then
+  overlay=$(mktemp -d)
+  mkdir "$overlay/pipedp"
+  for f in pipedp/*; do ln -s "$PWD/$f" "$overlay/pipedp/"; done
+  ln -s "$PWD/kernels" "$overlay/pipedp/kernels"
+  ln -s "$PWD/experiments" "$overlay/pipedp/experiments"
+  export PYTHONPATH=$overlay:$PYTHONPATH
+fi
+
+python3 - <<'PY' | tee "$out/device.txt"
+import torch
+print(f"torch {torch.__version__} cuda {torch.version.cuda} device {torch.cuda.get_device_name()}")
+PY
+
+echo "== (a) CUDA kernel tests" | tee -a "$log"
+timeout 90 python3 -m pytest -q -m cuda -p no:cacheprovider tests/experiments/test_depthwise_gpu_numerics.py 2>&1 \
+  | tee -a "$log" || status=1
+
+t=$(left 330); [ "$t" -gt 150 ] && t=150  # (the benchmark and the training step keep 330 s)
+if [ -f .gpu/round/round.json ] && [ "$t" -gt 60 ]; then
+  echo "== (b) tuning round .gpu/round" | tee -a "$log"
+  timeout "$t" python3 -m pipedp.ops.measure .gpu/round --out "$out/round_results.json" --time-limit $((t - 30)) 2>&1 \
+    | tee -a "$log" || status=1
+fi
+
+echo "== (c) depthwise benchmark" | tee -a "$log"
+db=$(mktemp -d)/db
+bench=(--kernels .gpu/kernels --out "$out" --db "$db")
+t=$(left 120)  # (the training step keeps 120 s)
+if [ "$quick" = "--quick" ]; then
+  bench+=(--sizes 32 --batches 128 --rounds 2 --time-limit 60)
+else
+  bench+=(--time-limit $(( t > 120 ? t - 60 : 60 )))  # rows not started by then say so
+fi
+timeout "$t" python3 -m experiments.bench_depthwise_gpu "${bench[@]}" 2>&1 | tee -a "$log" || status=1
+
+echo "== (d) MobileNetV2 training step, kernels=auto vs torch, each in its best layout" | tee -a "$log"
+if [ -f "$db/records.jsonl" ]; then
+  steps=(--windows 5 --window 5)
+  [ "$quick" = "--quick" ] && steps=(--windows 2 --window 3)
+  timeout "$(left 0)" python3 -m experiments.bench_kernels_train --device cuda --model mobilenet_v2 \
+    --input-shape 128,3,32,32 --layout best --db "$db" "${steps[@]}" --out "$out/train_step.json" 2>&1 \
+    | tee -a "$log" || status=1
+else
+  echo "no kernel database from (c) (no library carried?): training step skipped" | tee -a "$log"
+  status=1
+fi
+exit $status
