@@ -31,7 +31,9 @@ def test_eager_fp32_is_plain_training():
     for x, y in batches:
         step(x, y)
     plain_steps(ref, batches, microbatches=1)
-    assert max_diff(model, ref) == 0
+    # The same ops in the same order; the fp32 contract (1e-5) with room, not bit equality: a CPU
+    # convolution's reduction order may differ between two calls (seen once at 1.1e-7 in a full run).
+    assert max_diff(model, ref) <= 1e-6
 
 
 def test_bf16cl_runs_convolutions_in_bf16_on_channels_last_weights():
