@@ -248,12 +248,16 @@ def _cpu_decide(parts: _Parts, blocks: list[Block], profiles: Sequence[BlockProf
         return step_ms(runs[plan], warmup=False)
 
     size = microbatch.sizes(batch.shape[0], max(choices))[0]
+
+    def relative(m: int) -> float:  # a microbatch of M's size, over the profiled (smallest) one
+        return microbatch.sizes(batch.shape[0], m)[0] / size
+
     choice, curves = plan_cpu(
         blocks, sample, threads=options.threads, stages=options.stages, microbatches=choices,
-        sizes=lambda m: microbatch.sizes(batch.shape[0], m)[0] / size, schedule=options.schedule,
+        sizes=relative, schedule=options.schedule,
         measure=measure if options.profile else None, copy_input=parts.copy_input, host_profiles=profiles,
         profiled=options.profile)
-    plan, scale = choice.plan, microbatch.sizes(batch.shape[0], choice.plan.microbatches)[0] / size
+    plan, scale = choice.plan, relative(choice.plan.microbatches)
     decision = Decision(plan.counts, plan.microbatches, training.compile, choice.notes, threads=plan.threads)
     return at_threads(profiles, curves, plan, scale), decision
 
