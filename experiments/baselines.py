@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipedp.pipeline.graphed import fresh_cublas_workspaces
+from pipedp.pipeline.graphed import capturing, fresh_cublas_workspaces
 
 __all__ = ["Step", "Numerics", "NUMERICS", "BASELINES", "numerics", "in_format", "prepare", "skip_reason",
            "make_baseline", "plain_step", "graphed_step"]
@@ -126,7 +126,7 @@ def graphed_step(model: nn.Module, opt: torch.optim.Optimizer, num: Numerics, x0
     graph = torch.cuda.CUDAGraph()
     opt.zero_grad(set_to_none=True)
     fresh_cublas_workspaces()
-    with torch.cuda.graph(graph, stream=torch.cuda.Stream(x0.device)):
+    with capturing(graph, x0.device, torch.cuda.Stream(x0.device)):
         loss = _forward_loss(model, sx, sy, num, cache=False)
         loss.backward()
         opt.step()

@@ -60,14 +60,23 @@ def _grad_difference(a: nn.Module, b: nn.Module, x: torch.Tensor, y: torch.Tenso
     """Largest gradient difference of one backward from the same weights, relative to the largest gradient.
 
     The exactness check: later losses drift apart as training amplifies
-    rounding differences, this does not.
+    rounding differences, this does not. TF32 is off for it (torch's default
+    on Ampere and later lets cuDNN run fp32 convolutions in TF32): the
+    layers around the depthwise ones would round their inputs to 10 bits,
+    and an input that differs in its last fp32 bit (summation order) can
+    round the other way, 1e-3 of the largest gradient after a few layers.
     """
     grads = []
-    for m in (a, b):
-        m.zero_grad(set_to_none=True)
-        nn.CrossEntropyLoss()(m(x), y).backward()
-        grads.append([p.grad.detach().clone() for p in m.parameters()])
-        m.zero_grad(set_to_none=True)
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        for m in (a, b):
+            m.zero_grad(set_to_none=True)
+            nn.CrossEntropyLoss()(m(x), y).backward()
+            grads.append([p.grad.detach().clone() for p in m.parameters()])
+            m.zero_grad(set_to_none=True)
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
     scale = max(g.abs().max().item() for g in grads[0])
     return max((g - h).abs().max().item() for g, h in zip(*grads, strict=True)) / max(scale, 1e-30)
 

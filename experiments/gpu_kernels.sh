@@ -10,35 +10,57 @@
 #       layout, kernels="auto" deciding by (c)'s timings.
 # Results go to OUTDIR (at most 6 files: device.txt, run.log, depthwise_gpu.json, depthwise_gpu.md,
 # train_step.json, round_results.json).
-#   bash experiments/gpu_kernels.sh OUTDIR [--quick]
+#   bash experiments/gpu_kernels.sh OUTDIR [--quick | --dry-run]
+# --dry-run: set up as for a run and check it (the imports, the CUDA tests collected, the benchmark's plan),
+# time nothing (no GPU needed).
 # Carry .gpu: the runtime bundle (bash ../shared/tools/gpu-bundle.sh: .gpu/wheels, .gpu/tvmlib) and the
 # library (python -m experiments.build_gpu_kernels --arch sm_90 --out .gpu/kernels).
 set -uo pipefail
-out=${1:?usage: gpu_kernels.sh OUTDIR [--quick]}
+out=${1:?usage: gpu_kernels.sh OUTDIR [--quick | --dry-run]}
 quick=${2:-}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 log=$out/run.log
 budget=${GPU_KERNELS_BUDGET:-560}  # seconds for the whole command (a run gets 600): each step is cut to fit
 left() { echo $(( budget - SECONDS - $1 )); }  # seconds left, keeping $1 for the steps after this one
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$repo" || exit 1
+export PYTHONUNBUFFERED=1
 status=0
 
 # The TVM runtime (tvm_ffi and libtvm_runtime*.so) from the bundle, where the host has none of its own.
 if ! python3 -c "import tvm_ffi" 2>/dev/null && compgen -G ".gpu/wheels/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/pipedp-site .gpu/wheels/*.whl \
-    && export PYTHONPATH=/tmp/pipedp-site:$PYTHONPATH
+    && export PYTHONPATH=/tmp/pipedp-site${PYTHONPATH:+:$PYTHONPATH}
 fi
-[ -d .gpu/tvmlib ] && export PIPEDP_TVM_LIB=${PIPEDP_TVM_LIB:-$PWD/.gpu/tvmlib}
-# pipedp.kernels and pipedp.experiments as an installed pipedp has them (the wheel maps kernels/ and
-# experiments/ below pipedp): an overlay of links, where pipedp runs from this checkout uninstalled.
-if ! python3 -c "import pipedp.kernels" 2>/dev/null; then
-  overlay=$(mktemp -d)
-  mkdir "$overlay/pipedp"
-  for f in pipedp/*; do ln -s "$PWD/$f" "$overlay/pipedp/"; done
-  ln -s "$PWD/kernels" "$overlay/pipedp/kernels"
-  ln -s "$PWD/experiments" "$overlay/pipedp/experiments"
-  export PYTHONPATH=$overlay:$PYTHONPATH
+[ -d .gpu/tvmlib ] && export PIPEDP_TVM_LIB=${PIPEDP_TVM_LIB:-$repo/.gpu/tvmlib}
+# Every command runs from an overlay: a folder of links to this checkout in which pipedp/ holds kernels/ and
+# experiments/ as the installed wheel maps them (pipedp.kernels, pipedp.experiments), beside the checkout's
+# experiments/, tests/, .gpu/ and pyproject.toml. `python3 -m` and pytest put the working folder first on
+# sys.path, so run from the checkout its pipedp/ (which has no kernels/) would shadow any overlay given in
+# PYTHONPATH, and an installed pipedp too: from the overlay, this checkout's code is what runs, installed or
+# not, one copy of it (PYTHONPATH names the overlay too, for processes started in another folder).
+overlay=$(mktemp -d)
+trap 'rm -rf "$overlay"' EXIT
+mkdir "$overlay/pipedp"
+for f in "$repo"/pipedp/*; do ln -s "$f" "$overlay/pipedp/"; done
+ln -s "$repo/kernels" "$overlay/pipedp/kernels"
+ln -s "$repo/experiments" "$overlay/pipedp/experiments"
+for f in experiments kernels tests .gpu pyproject.toml; do
+  [ -e "$repo/$f" ] && ln -s "$repo/$f" "$overlay/$f"
+done
+export PYTHONPATH=$overlay${PYTHONPATH:+:$PYTHONPATH}
+cd "$overlay" || exit 1
+if ! python3 -c "import pipedp.kernels.tvm.cli, pipedp.experiments, experiments.bench_depthwise_gpu" >/dev/null; then
+  echo "gpu_kernels.sh: pipedp.kernels or the experiments do not import from $overlay (see above)" | tee -a "$log"
+  exit 1
+fi
+if [ "$quick" = "--dry-run" ]; then
+  python3 -c "import os, pipedp, pipedp.kernels; print('pipedp', os.path.dirname(pipedp.__file__), 'kernels', \
+os.path.dirname(pipedp.kernels.__file__))" || exit 1
+  python3 -m pytest -q --collect-only -p no:cacheprovider tests/experiments/test_depthwise_gpu_numerics.py || exit 1
+  python3 -m experiments.bench_depthwise_gpu --dry-run | tail -n 1 || exit 1
+  exit 0
 fi
 
 python3 - <<'PY' | tee "$out/device.txt"

@@ -7,9 +7,23 @@ from typing import Any, Sequence, Union
 import torch
 from torch import nn
 
-__all__ = ["parse_device", "resolve_devices", "DeviceSpec"]
+__all__ = ["parse_device", "resolve_devices", "canonical_device", "DeviceSpec"]
 
 DeviceSpec = Union[None, str, int, torch.device, Sequence[Union[str, int, torch.device]]]
+
+
+def canonical_device(d: Any) -> torch.device:
+    """``d`` as a tensor's ``.device`` reads it: ``cuda`` gets the current CUDA device's index.
+
+    ``torch.device("cuda") != torch.device("cuda", 0)``, while every CUDA tensor
+    reports its index, so devices compared with tensors' devices, or used as
+    keys, must carry it. Without CUDA (tests of the logic on a CPU) ``cuda``
+    means ``cuda:0``, the device CUDA would make current.
+    """
+    dev = torch.device(d)
+    if dev.type == "cuda" and dev.index is None:
+        return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    return dev
 
 
 def parse_device(d: Any, what: str = "devices") -> torch.device:

@@ -23,5 +23,7 @@ compiler) without touching the others:
 - ``remote``: build here, measure there (rounds of candidates measured by
   ``pipedp.ops.measure`` on a machine without the compiler);
 - ``export``: one library per target; ``cli``: ``tune-kernels``;
-- ``roofline``, ``allocator``: measuring aids.
+- ``roofline``, ``allocator``: measuring aids; ``emulate``: a CUDA kernel
+  run on the CPU, thread after thread, to check its indexing where there is
+  no GPU.
 """

@@ -258,10 +258,16 @@ def _flat(sch: s_tir.Schedule, conv: DepthwiseConv, op: str, cfg: Config) -> Non
     block = sch.fuse(n, co)
     sch.bind(block, "blockIdx.x")
     threads = _threads(cfg)
-    each, lane = sch.split(sch.fuse(ci, i, j), [None, threads])
+    flat = sch.fuse(ci, i, j)
+    # The write-back goes below the flat loop *before* it is split over the threads, so the split's predicate
+    # (flat index < tile_c * h * w) guards the write as it guards the sum. Computed at the split's inner loop
+    # instead, the write would be guarded by the buffer's bounds only: past the tile's last output the flat
+    # index runs into the next block's planes, and the threads there would store their unset accumulators
+    # over that block's outputs (a race: wrong results wherever h * w is not a multiple of tw, e.g. 14x14, 7x7).
+    write_back(sch, out, cast, flat)
+    each, lane = sch.split(flat, [None, threads])
     sch.reorder(lane, each)
     sch.bind(lane, "threadIdx.x")
-    write_back(sch, out, cast, each)
     _stage_inputs(sch, conv, op, out, block, [(threads, "threadIdx.x")])
     if cfg["unroll"]:
         sch.annotate(block, "pragma_auto_unroll_max_step", cfg["unroll"])
@@ -284,27 +290,36 @@ def _wgrad(sch: s_tir.Schedule, conv: DepthwiseConv, cfg: Config) -> None:
     rf = sch.rfactor(ri, factor_axis=0)  # one partial sum per thread: [lane, (split,) o, 0, r, s]
     if conv.padding != (0, 0):
         sch.compute_inline(sch.get_sblock("pad"))
-    head = sch.get_loops(main)
-    chan = sch.fuse(*head[:-3])  # (split,) o, 0
+    # The partial sums are scheduled where rfactor put them (their own loops, at the root), never moved with
+    # compute_at: the (n, h, w) sum rarely divides into splits x threads x steps (n is any batch size), and
+    # only the splits' predicate keeps a thread's last steps inside its split's chunk and inside the tensors.
+    # compute_at rebuilds a block's loops from its iteration domain and drops that predicate: the threads
+    # then summed terms of the next chunk twice and, in the last chunk, read past the end of x and dy
+    # (wrong grad-weights at most batch sizes, and illegal memory accesses). The sum over the lanes is moved
+    # below the partial sums' block instead (reverse_compute_at: no reduction loop of its own is rebuilt).
+    *head, lane = sch.get_loops(rf)  # (split,) o, 0, r, s, ro, lane
+    *chan_loops, rr, rs, rro = head
+    sch.reorder(*chan_loops, lane, rro, rr, rs)
+    chan = sch.fuse(*chan_loops)  # (split,) o, 0
     sch.bind(chan, "blockIdx.x")
-    # One tap per thread, split by the block's width: a kernel has one threadIdx.x extent (the lanes'), and the
-    # split's predicate keeps the threads past the kh*kw taps idle (a plain bind of the 9 taps would not). The
-    # sum goes straight to its buffer under that predicate: a write stage computed at this loop would not get
-    # it, and TVM sizes such a stage by the loop (64 taps), not by the taps there are.
-    _, taps = sch.split(sch.fuse(head[-3], head[-2]), [None, cfg["threads"]])
-    sch.bind(taps, "threadIdx.x")
+    sch.bind(lane, "threadIdx.x")
     sch.set_scope(rf, 0, "shared")
-    sch.compute_at(rf, chan)
-    rri, rr, rs, rro = sch.get_loops(rf)[1:]  # compute_at orders them as the rf buffer's vars: lane, r, s, then ro
-    sch.reorder(rri, rro, rr, rs)
-    sch.bind(rri, "threadIdx.x")
     acc = sch.cache_write(rf, 0, "local")
-    sch.reverse_compute_at(acc, rri)
+    sch.reverse_compute_at(acc, lane)
     if cfg["unroll"]:
         sch.annotate(rro, "pragma_auto_unroll_max_step", cfg["unroll"])
     sch.unroll(rr)
     sch.unroll(rs)
     sch.decompose_reduction(rf, rro)
+    sch.reverse_compute_at(main, chan)
+    # One tap per thread, split by the block's width: a kernel has one threadIdx.x extent (the lanes'), and the
+    # split's predicate keeps the threads past the kh*kw taps idle (a plain bind of the 9 taps would not). The
+    # sum goes straight to its buffer under that predicate: a write stage computed at this loop would not get
+    # it, and TVM sizes such a stage by the loop (64 taps), not by the taps there are.
+    lanes, tr, ts = sch.get_loops(main)[1:]  # below chan, as main's iteration variables: the lanes' sum, r, s
+    sch.reorder(tr, ts, lanes)
+    _, taps = sch.split(sch.fuse(tr, ts), [None, cfg["threads"]])
+    sch.bind(taps, "threadIdx.x")
     if splits > 1:  # stage 2: the splits' partial sums, one (channel, tap) per thread
         *spatial, _ = sch.get_loops(out)
         bind_flat(sch, sch.fuse(*spatial), [(64, "threadIdx.x")])

@@ -20,6 +20,19 @@ see :func:`.ops.rounded`), and small elementwise stages as kernels of their own 
 Threads of one kernel share one extent per thread axis: a loop bound to ``threadIdx.x`` with fewer
 iterations than the block has threads must be split by the block's width (its predicate idles the rest),
 and what it writes must be written inside that predicate: TVM adds no guard of its own.
+
+Two more rules of the same kind, each learnt from a kernel that was wrong or faulted on an H100
+(2026-11-25; ``kernels.tvm.emulate`` finds both on a CPU):
+
+- A stage computed at a loop (``reverse_compute_at``, ``compute_at``) is guarded by the bounds of the
+  buffer it writes, not by the predicates of the loops above it: put it below a loop *before* that loop
+  is split by a factor that does not divide it (the split then guards everything below it), or bind the
+  loop so that running past its end runs past the buffer's end too. A fused loop whose tail runs into the
+  next tile's (valid) coordinates is guarded by nothing.
+- ``compute_at`` rebuilds the moved block's loops from its iteration domain and drops its predicate: never
+  move a block whose predicate keeps it inside its data (a reduction split by a factor that does not
+  divide it, e.g. one over a symbolic batch). Leave it at its loops and move its consumer below it
+  (``reverse_compute_at``).
 """
 
 from __future__ import annotations

@@ -226,32 +226,22 @@ def _wgrad(sch: s_tir.Schedule, conv: DepthwiseConv, cfg: Config) -> None:
     rf = sch.rfactor(ri, factor_axis=0)  # one partial sum per (lane, tap, channel): [lane, (split,) r, s, o]
     if conv.padding != (0, 0):
         sch.compute_inline(sch.get_sblock("pad"))
-    head = sch.get_loops(main)  # (split,) r, s, o, lane   (or: split, o, r, s, lane after the reorder)
+    # The partial sums stay where rfactor put them (their own loops at the root) and the lanes' sum moves
+    # below them (reverse_compute_at), never the other way round: compute_at rebuilds a block's loops from its
+    # iteration domain and drops the splits' predicate, without which a thread's last steps run past its
+    # split's chunk of (n, h, w) (terms summed twice) and, in the last chunk, past the end of x and dy (see
+    # :func:`.cuda._wgrad`, same bug, same fix).
     if splits > 1:
-        part, o, r, s, lane = head
-        oo, oi = sch.split(o, [None, cfg["tc"]])
-        sch.reorder(part, oo, r, s, oi, lane)
-        chan = sch.fuse(part, oo)
+        part, o, rr, rs, rro, lane_rf = sch.get_loops(rf)
     else:
-        r, s, o, lane = head
-        oo, oi = sch.split(o, [None, cfg["tc"]])
-        sch.reorder(oo, r, s, oi, lane)
-        chan = oo
+        (rr, rs, o, rro, lane_rf), part = sch.get_loops(rf), None
+    oo, oc = sch.split(o, [None, cfg["tc"]])
+    sch.reorder(*([part] if part is not None else []), oo, oc, lane_rf, rro, rr, rs)
+    chan = sch.fuse(part, oo) if part is not None else oo
     sch.bind(chan, "blockIdx.x")
-    sch.bind(oi, "threadIdx.x")
-    # The taps over threadIdx.y, ty at a time: one threadIdx.y extent per kernel (the lanes'), the split's
-    # predicate keeps the threads past the last tap idle; the sums go straight to their buffer under it (a
-    # write stage computed here would be sized by the loop, not by the taps there are, and write past them)
-    _, taps = sch.split(sch.fuse(r, s), [None, cfg["ty"]])
-    sch.reorder(taps, oi)
-    sch.bind(taps, "threadIdx.y")
-    sch.set_scope(rf, 0, "shared")
-    sch.compute_at(rf, chan)
-    loops = sch.get_loops(rf)[1:]  # compute_at orders them as the rf buffer's vars: lane, r, s, o_inner, then ro
-    lane_rf, rr, rs, oc, rro = loops
-    sch.reorder(oc, lane_rf, rro, rr, rs)
     sch.bind(oc, "threadIdx.x")
     sch.bind(lane_rf, "threadIdx.y")
+    sch.set_scope(rf, 0, "shared")
     acc = sch.cache_write(rf, 0, "local")
     sch.reverse_compute_at(acc, lane_rf)
     if cfg["unroll"]:
@@ -259,6 +249,16 @@ def _wgrad(sch: s_tir.Schedule, conv: DepthwiseConv, cfg: Config) -> None:
     sch.unroll(rr)
     sch.unroll(rs)
     sch.decompose_reduction(rf, rro)
+    sch.reverse_compute_at(main, chan)
+    # Below chan, as main's iteration variables: the lanes' sum, r, s, the block's channels. The taps go over
+    # threadIdx.y, ty at a time: one threadIdx.y extent per kernel (the lanes'), the split's predicate keeps the
+    # threads past the last tap idle; the sums go straight to their buffer under it (a write stage computed here
+    # would be sized by the loop, not by the taps there are, and write past them)
+    lanes, r, s, oi = sch.get_loops(main)[1:]
+    sch.reorder(r, s, oi, lanes)
+    _, taps = sch.split(sch.fuse(r, s), [None, cfg["ty"]])
+    sch.bind(taps, "threadIdx.y")
+    sch.bind(oi, "threadIdx.x")
     if splits > 1:  # stage 2: the splits' partial sums, one (tap, channel) per thread
         spatial = sch.get_loops(out)[:-1]
         bind_flat(sch, sch.fuse(*spatial), [(64, "threadIdx.x")])

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import threads
-from .layout import arrange, empty, layout_of_tensor
+from .layout import aligned, arrange, empty, layout_of_tensor
 from .problem import DepthwiseConv
 from .runtime import KernelChoice, KernelLibrary, library, library_or_none
 
@@ -97,7 +97,7 @@ def _fwd_impl(x: torch.Tensor, weight: torch.Tensor, stride: list[int], padding:
     if k is None:
         return F.conv2d(x, weight, None, stride, padding, dilation, x.shape[1])
     y = empty(_out_shape(x.shape, weight.shape, stride, padding, dilation), x, layout)
-    k(arrange(x, layout), weight.contiguous(), arrange(y, layout))
+    k(aligned(arrange(x, layout)), aligned(weight.contiguous()), arrange(y, layout))
     return y
 
 
@@ -121,7 +121,7 @@ def _dgrad_impl(grad: torch.Tensor, weight: torch.Tensor, x_shape: list[int], st
             grad, x, weight, None, stride, padding, dilation, False, [0, 0], x_shape[1], [True, False, False]
         )[0]
     dx = empty(x_shape, grad, layout)
-    k(arrange(grad, layout), weight.contiguous(), arrange(dx, layout))
+    k(aligned(arrange(grad, layout)), aligned(weight.contiguous()), arrange(dx, layout))
     return dx
 
 
@@ -142,7 +142,7 @@ def _wgrad_impl(x: torch.Tensor, grad: torch.Tensor, w_shape: list[int], stride:
             grad, x, w, None, stride, padding, dilation, False, [0, 0], x.shape[1], [False, True, False]
         )[1]
     dw = x.new_empty(w_shape)
-    k(arrange(x, layout), arrange(grad, layout), dw)
+    k(aligned(arrange(x, layout)), aligned(arrange(grad, layout)), dw)
     return dw
 
 

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from . import threads
-from .layout import arrange, empty
+from .layout import aligned, arrange, empty
 from .problem import DepthwiseConv
 
 __all__ = ["Kernel", "WrongResult", "tolerance", "reference", "prepare", "check", "call", "kernel_fn", "torch_fn",
@@ -103,7 +103,7 @@ def call(kernel: Kernel, op: str, layout: str, inputs: list[torch.Tensor], out_s
     if inputs[0].device.type == "cpu":
         threads.match_torch()  # TVM's pool, where a kernel keeps it, as wide as torch's
     out = empty(out_shape, inputs[0], layout if out_act else "NCHW")
-    kernel(inputs[0], inputs[1], _arrange(out, layout, out_act))
+    kernel(aligned(inputs[0]), aligned(inputs[1]), _arrange(out, layout, out_act))
     return out
 
 

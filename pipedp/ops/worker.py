@@ -17,7 +17,15 @@ Rules, and why:
   starting Python and importing torch (and TVM) is not the candidate's time.
 - An exception inside a job is that job's failure, reported with its
   ``status`` attribute when it has one (``wrong`` for a kernel that differs
-  from torch) and the child keeps serving.
+  from torch) and the child keeps serving, unless the exception says the
+  process itself is broken: a CUDA error (an illegal memory access, a
+  launch failure, a device-side assert) is sticky, every later CUDA call of
+  that process fails with it, so the child reports it and exits at once
+  (``os._exit``: no destructor touches the broken context) and the next job
+  gets a fresh child. ``Worker(restart_after_error=True)`` gives every job
+  after any failure a fresh child, and :meth:`Worker.restart` does so on the
+  caller's word (e.g. after a kernel that computed a wrong result, which may
+  have written where it should not).
 - Children ignore Ctrl-C: the parent decides what an interrupt stops, and
   closes its worker.
 
@@ -28,11 +36,14 @@ command of a GPU host (:mod:`.measure`, runtime only) both use it.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import signal
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
-__all__ = ["Worker", "CandidateFailed"]
+__all__ = ["Worker", "CandidateFailed", "breaks_process"]
+
+_BROKEN_EXIT = 75  # a child's exit status after a job broke its process (see breaks_process)
 
 
 class CandidateFailed(RuntimeError):
@@ -46,6 +57,20 @@ class CandidateFailed(RuntimeError):
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0][:300]}" if text else type(e).__name__
+
+
+# What the message of an exception that leaves a CUDA context unusable contains (torch's AcceleratorError and
+# RuntimeError, TVM's runtime errors): the error is sticky, every later call of the process fails with it.
+_BROKEN_CONTEXT = ("CUDA error", "CUDA Runtime Error", "cudaError", "CUDA_ERROR", "CUDALaunch", "CUDA driver error",
+                   "illegal memory access", "illegal address", "unspecified launch failure", "device-side assert")
+
+
+def breaks_process(e: BaseException) -> bool:
+    """Whether ``e`` leaves its process unfit for another job (a CUDA error: its context is gone for good)."""
+    if type(e).__name__ == "AcceleratorError":
+        return True
+    text = str(e)
+    return any(s in text for s in _BROKEN_CONTEXT)
 
 
 def _serve(conn: Connection, init: Callable[..., object] | None, init_args: tuple[Any, ...]) -> None:
@@ -69,7 +94,11 @@ def _serve(conn: Connection, init: Callable[..., object] | None, init_args: tupl
         try:
             result = fn(*args)
         except Exception as e:
-            conn.send(("error", (str(getattr(e, "status", "error")), _first_line(e))))
+            broken = breaks_process(e)
+            conn.send(("error", (str(getattr(e, "status", "error")), _first_line(e), broken)))
+            if broken:  # a broken CUDA context: every later job would fail with it; go, and run nothing more
+                conn.close()
+                os._exit(_BROKEN_EXIT)
         else:
             conn.send(("ok", result))
 
@@ -93,8 +122,9 @@ class Worker:
     """
 
     def __init__(self, init: Callable[..., object] | None = None, init_args: tuple[Any, ...] = (),
-                 start_timeout: float = 300.0) -> None:
+                 start_timeout: float = 300.0, restart_after_error: bool = False) -> None:
         self.init, self.init_args, self.start_timeout = init, init_args, start_timeout
+        self.restart_after_error = restart_after_error  # a fresh child after any failed job, not only a broken one
         self._process: Any = None  # a multiprocessing.Process while a child runs
         self._conn: Connection | None = None
         self.starts = 0  # children started so far (the first, and one after each crash or timeout)
@@ -123,8 +153,14 @@ class Worker:
         except (EOFError, OSError):
             raise CandidateFailed(f"the worker process died ({_died(self._stop())})", "crash") from None
         if status == "error":
+            if payload[2] or self.restart_after_error:
+                self._stop()  # (a child whose process broke is exiting by itself: reaped here)
             raise CandidateFailed(payload[1], payload[0])
         return payload
+
+    def restart(self) -> None:
+        """Stop the child, if one runs: the next job gets a fresh one (its ``init`` run again)."""
+        self._stop()
 
     def close(self) -> None:
         """Stop the child, if one runs."""

@@ -20,6 +20,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
+from ..device import canonical_device
 from .cpu_lane import Flight
 from .p2p import Transport
 from .ranks import check_programs, rank_programs
@@ -153,7 +154,8 @@ class Executor:
         self.infer_order = [(s, a) for s, a in infer if s in mine]
         self.last_backward = {s: [a for a in schedule[s] if a.kind == "B"][-1].microbatch for s in mine}
         self.is_first, self.is_last = 0 in mine, n - 1 in mine
-        self.devices = list(dict.fromkeys(s.device for s in self.stages))
+        # With their indices: _move compares them with tensors' devices and looks copy lanes up by them.
+        self.devices = list(dict.fromkeys(canonical_device(s.device) for s in self.stages))
         # One copy lane per device: cross-device copies run on the source device's copy lane.
         self.copy_lanes = {d: new_lane(d, f"copy:{d}") for d in self.devices if len(self.devices) > 1}
         # Lanes the stages' layers issue work on besides the stage's own (split weight gradients): joined too.
@@ -166,9 +168,19 @@ class Executor:
 
     # -- plumbing ---------------------------------------------------------------------------------
     def _fork(self) -> None:
-        """Every lane starts after what the caller issued before the step."""
+        """Every lane starts after what the caller issued before the step.
+
+        The copy and side lanes too, although their work waits for a stage's
+        lane anyway: :meth:`_join` makes the caller wait for each of them, and
+        under CUDA-graph capture a stream may only wait for a stream that joined
+        the capture. A side lane a step never uses (a model without a forking
+        block, a stage without a convolution) would otherwise be an uncaptured
+        stream, and waiting for it invalidates the capture.
+        """
         for s in self.stages:
             s.lane.wait_lane(current_lane(s.device))
+        for lane in (*self.copy_lanes.values(), *self.side_lanes):
+            lane.wait_lane(current_lane(lane.device))
 
     def _join(self) -> None:
         """The caller's streams wait for everything the step issued."""
@@ -185,6 +197,7 @@ class Executor:
 
     def _move(self, t: torch.Tensor, ready: "torch.cuda.Event | None", src: torch.device, dst: Lane) -> torch.Tensor:
         """``t`` (made on ``src`` when ``ready`` fires) usable on lane ``dst``."""
+        src = canonical_device(src)
         if src == dst.device:
             dst.wait(ready)
             dst.keep(t)

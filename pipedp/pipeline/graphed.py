@@ -21,16 +21,28 @@ The rules that keep replays equal to eager steps:
   stream frees them under an earlier graph (pytorch/pytorch#193402: replays
   then fault). So each capture runs on its own stream, and the workspaces are
   dropped just before capture so the ones it uses are allocated inside the
-  graph's private memory pool, which lives as long as the graph.
+  graph's private memory pool, which lives as long as the graph;
+* a capture that fails must not outlive itself (:func:`capturing`). PyTorch
+  checks ``cudaStreamEndCapture`` before it tells the caching allocator that
+  the capture is over, so after an invalidated capture the allocator believes,
+  for the rest of the process, that a capture is under way: blocks freed after
+  ``record_stream`` (every lane's ``keep``) are never reused, an allocation
+  that fails no longer releases cached blocks first, and the failed capture's
+  pool is never released. Later allocations then run out of memory with most
+  of the GPU "reserved by PyTorch but unallocated".
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable
+import contextlib
+from typing import Any, Callable, Hashable, Iterator
 
 import torch
 
-__all__ = ["StepGraph", "hyper_signature", "fresh_cublas_workspaces", "captured_call"]
+from ..device import canonical_device
+
+__all__ = ["StepGraph", "hyper_signature", "fresh_cublas_workspaces", "captured_call", "capturing",
+           "end_failed_capture"]
 
 Body = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -57,6 +69,57 @@ def fresh_cublas_workspaces() -> None:
         clear()
 
 
+def end_failed_capture(device: torch.device, pool: tuple[int, int]) -> bool:
+    """Finish, on the allocator's side, a capture into ``pool`` whose ``capture_end`` raised.
+
+    True when the allocator still routed allocations to ``pool`` (its capture
+    never told it the capture was over): that routing is ended and the pool
+    released, so its memory returns at the next ``empty_cache``. False when the
+    capture had got that far (the graph releases its pool itself) or this torch
+    lacks the hooks.
+    """
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    release = getattr(torch._C, "_cuda_releasePool", None)
+    if end is None or release is None:
+        return False
+    index = canonical_device(device).index
+    try:
+        end(index, pool)
+    except RuntimeError:  # "not currently recording to mempool_id": capture_end ended it
+        return False
+    release(index, pool)
+    return True
+
+
+@contextlib.contextmanager
+def capturing(graph: "torch.cuda.CUDAGraph", device: torch.device, stream: "torch.cuda.Stream") -> Iterator[None]:
+    """``torch.cuda.graph(graph, stream=stream)`` that leaves the process as it was when the capture fails.
+
+    The capture gets a pool of its own (``graph_pool_handle``) so that a failed
+    one can be ended by :func:`end_failed_capture`; the current stream, which
+    ``torch.cuda.graph`` leaves set to ``stream`` when ``capture_end`` raises, is
+    put back. The body's own error propagates where it raised one, not the
+    "operation failed due to a previous error during capture" that
+    ``capture_end`` raises over it, which names no cause.
+    """
+    pool = torch.cuda.graph_pool_handle()
+    current = torch.cuda.current_stream(device)
+    first: list[BaseException] = []
+    try:
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            try:
+                yield
+            except BaseException as e:
+                first.append(e)
+                raise
+    except BaseException as e:
+        end_failed_capture(device, pool)
+        torch.cuda.set_stream(current)
+        if first and e is not first[0]:
+            raise first[0]  # chained to capture_end's error, which followed it
+        raise
+
+
 def captured_call(fn: Callable[[], object], device: torch.device, before: Callable[[], object], warmup: int = 2):
     """``fn`` run ``warmup`` times eagerly, then captured; returns the replay (for timing trials).
 
@@ -69,7 +132,7 @@ def captured_call(fn: Callable[[], object], device: torch.device, before: Callab
     torch.cuda.synchronize(device)
     fresh_cublas_workspaces()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=torch.cuda.Stream(device)):
+    with capturing(graph, device, torch.cuda.Stream(device)):
         fn()
     return graph.replay
 
@@ -131,7 +194,7 @@ class StepGraph:
         fresh_cublas_workspaces()
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, stream=self._stream):
+            with capturing(graph, x.device, self._stream):
                 loss = self.body(static_x, static_y)
         except Exception as e:
             raise RuntimeError(

@@ -30,7 +30,8 @@ class SideLanes:
     """A side lane for each of ``stages`` (named ``<name><stage index>``), keyed by the stage's stream.
 
     Shared, not copied, by ``copy.deepcopy`` (swapped layers hold it; a stream
-    cannot be copied and a copy of the model runs on the same stages).
+    cannot be copied and a copy of the model runs on the same stages); pickled
+    as no lanes, so a saved model stays picklable and runs in plain order.
     """
 
     def __init__(self, stages: Sequence[Stage], name: str) -> None:
@@ -51,3 +52,7 @@ class SideLanes:
 
     def __deepcopy__(self, memo: dict) -> "SideLanes":
         return self
+
+    def __reduce__(self) -> tuple[type, tuple[tuple[()], str]]:
+        # A pickled model (torch.save, another process) has no stages: its layers run on the current stream.
+        return SideLanes, ((), "")

@@ -8,6 +8,7 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
+from ..device import canonical_device
 from ..partition.blocks import Chain
 from .stream import Lane
 
@@ -32,6 +33,10 @@ class Stage:
     autocast: torch.dtype | None = None
     autocast_cache: bool = True
     body: Callable[[torch.Tensor], Any] | None = None
+
+    def __post_init__(self) -> None:
+        # With its index, as the tensors it makes report it (``cuda`` != ``cuda:0``).
+        self.device = canonical_device(self.device)
 
     @property
     def names(self) -> list[str]:

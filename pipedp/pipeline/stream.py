@@ -17,17 +17,22 @@ from typing import Iterator, Sequence
 
 import torch
 
+from ..device import canonical_device
 from .cpu_lane import CpuWorker
 
 __all__ = ["Lane", "new_lane", "current_lane"]
 
 
 class Lane:
-    """Where a stage's work is issued: a device plus (on CUDA) a stream."""
+    """Where a stage's work is issued: a device plus (on CUDA) a stream.
+
+    ``device`` is kept with its index (``cuda`` becomes ``cuda:<current>``), as
+    tensors report theirs, so that lanes compare equal to tensors' devices.
+    """
 
     def __init__(self, device: torch.device, stream: "torch.cuda.Stream | None", name: str,
                  worker: CpuWorker | None = None) -> None:
-        self.device = device
+        self.device = canonical_device(device)
         self.stream = stream
         self.name = name
         self.worker = worker  # a CPU lane's own thread (None: work runs on the host thread, in issue order)

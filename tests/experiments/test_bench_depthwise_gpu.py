@@ -86,7 +86,71 @@ def test_rows_compare_our_best_layout_with_torchs_best_and_write_a_db(library, t
     lib = load_library(str(tmp_path / "db"), torch.device("cpu"))  # what kernels= loads
     assert len(lib.kernels) == 4 and lib.find("wgrad", conv, "NHWC") is not None
     lk = next(k for k in lib.timings if '"fwd"' in k and "NCHW" in k)
-    assert lib.timings[lk] == {"us": rows[0]["us"]["ours NCHW"], "torch_us": rows[0]["us"]["torch NCHW"], "n": 2}
+    taken = rows[0]["auto_choice"]["NCHW"] == "ours"
+    assert lib.timings[lk] == {"us": rows[0]["us"]["ours NCHW"], "torch_us": rows[0]["us"]["torch NCHW"], "n": 2,
+                               "faster": taken}
+    assert lib.beats_torch(lk) == taken  # kernels="auto" takes what the benchmark's auto took
+
+
+def _alternate(*answers):
+    """A stand-in for harness.alternate that answers the contenders' timings in turn (the bound's copy: 1 µs)."""
+    calls = iter(answers)
+
+    def alternate(fns, device, rounds, min_ms):
+        if set(fns) == {"copy"}:
+            return {"copy": 1.0}
+        us = next(calls)
+        assert set(us) == set(fns)
+        return us
+
+    return alternate
+
+
+def test_auto_takes_ours_only_by_a_margin_confirmed_in_fresh_rounds_and_reports_a_third_timing(library,
+                                                                                                 monkeypatch):
+    folder, conv = library
+    lib = bench.Library(folder, torch.device("cpu"))
+    first = {"torch NCHW": 100.0, "torch NHWC": 100.0, "ours NCHW": 97.0, "ours NHWC": 90.0}
+    # NCHW 3% faster: within the margin, torch; NHWC 10% faster but not confirmed: torch
+    monkeypatch.setattr(bench.harness, "alternate", _alternate(first, {"ours": 101.0, "torch": 100.0}))
+    row = bench.bench_row(lib, "s", conv, "fwd", torch.device("cpu"), 1, 1.0, None)
+    assert row["auto_choice"] == {"NCHW": "torch", "NHWC": "torch"} and row["auto"] == {"NCHW": 1.0, "NHWC": 1.0}
+    assert row["auto_confirmed"] == {"NHWC": pytest.approx(100 / 101)} and row["hbm_bound_us"] is None
+    # NHWC confirmed: taken, and the ratio reported is the third timing's, not the confirmation's
+    monkeypatch.setattr(bench.harness, "alternate", _alternate(first, {"ours": 90.0, "torch": 100.0},
+                                                               {"ours": 95.0, "torch": 93.0}))
+    row = bench.bench_row(lib, "s", conv, "fwd", torch.device("cpu"), 1, 1.0, None)
+    assert row["auto_choice"] == {"NCHW": "torch", "NHWC": "ours"}
+    assert row["auto"]["NHWC"] == pytest.approx(93 / 95) and row["auto_min"] == pytest.approx(93 / 95)
+
+
+def test_the_db_leaves_out_wrong_and_failed_kernels_and_marks_faster_only_what_auto_took_at_every_batch(
+        library, tmp_path):
+    import dataclasses
+
+    folder, conv = library
+    lib = bench.Library(folder, torch.device("cpu"), load=False)  # (the benchmark's own process never loads it)
+
+    def row(op, n, choice, wrong=()):
+        us = {"torch NCHW": 10.0, "torch NHWC": 10.0}
+        us.update({f"ours {v}": 5.0 for v in ("NCHW", "NHWC") if v not in wrong})
+        return {"set": "s", "layer": "l", "problem": dataclasses.replace(conv, n=n).key(), "op": op, "n": n,
+                "us": us, "wrong": {v: "differs" for v in wrong}, "auto_choice": choice}
+
+    rows = [row("fwd", 2, {"NCHW": "ours", "NHWC": "ours"}), row("fwd", 4, {"NCHW": "ours", "NHWC": "torch"}),
+            row("wgrad", 2, {"NCHW": "ours", "NHWC": "ours"}),
+            bench._unmeasured("s", dataclasses.replace(conv, n=4), "wgrad", "error: AcceleratorError: CUDA error")]
+    record = bench.write_db(str(tmp_path / "db"), lib, rows)
+    assert record["left_out"] == 2
+    got = load_library(str(tmp_path / "db"), torch.device("cpu"))
+    assert got.find("wgrad", conv, "NCHW") is None and got.find("wgrad", conv, "NHWC") is None  # failed at n=4
+    assert got.find("fwd", conv, "NCHW", faster_only=True) is not None  # auto took it at both batches
+    assert got.find("fwd", conv, "NHWC", faster_only=True) is None  # not at n=4
+    assert got.find("fwd", conv, "NHWC") is not None  # (kernels="tvm" may still run it: it was never wrong)
+    rows[1]["wrong"] = {"NCHW": "differs"}
+    del rows[1]["us"]["ours NCHW"]
+    bench.write_db(str(tmp_path / "db2"), lib, rows)
+    assert load_library(str(tmp_path / "db2"), torch.device("cpu")).find("fwd", conv, "NCHW") is None
 
 
 def test_a_wrong_kernel_is_reported_never_timed(library, monkeypatch):
@@ -130,6 +194,31 @@ def test_gpu_script_is_valid_bash_and_runs_modules_and_tests_that_exist():
     assert all(importlib.util.find_spec(m) is not None for m in modules)
     for test_file in re.findall(r"(tests/\S+\.py)", text):
         assert (script.parents[1] / test_file).is_file()
+
+
+@pytest.mark.slow
+def test_gpu_script_imports_pipedp_kernels_from_its_overlay_where_pipedp_is_not_installed(tmp_path):
+    # As on the GPU host: pipedp not installed (here: python -S, so the editable install's finder is not
+    # loaded), the script run from anywhere. The checkout's pipedp/ has no kernels/: run from the checkout,
+    # `python3 -m` would put it first on sys.path, ahead of any overlay in PYTHONPATH.
+    import os
+    import subprocess
+    import sys
+    import sysconfig
+
+    script = Path(__file__).parents[2] / "experiments" / "gpu_kernels.sh"
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "python3").write_text(f'#!/bin/bash\nexec {sys.executable} -S "$@"\n')
+    (shim / "python3").chmod(0o755)
+    env = {**os.environ, "PATH": f"{shim}:{os.environ['PATH']}", "PYTHONPATH": sysconfig.get_paths()["purelib"]}
+    no_overlay = subprocess.run(["python3", "-c", "import pipedp.kernels"], env=env, cwd=script.parents[1],
+                                capture_output=True, text=True)
+    assert no_overlay.returncode != 0  # (the condition this test is about)
+    done = subprocess.run(["bash", str(script), str(tmp_path / "out"), "--dry-run"], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "/pipedp/kernels" in done.stdout and "4 tests collected" in done.stdout and "rows" in done.stdout
 
 
 def test_a_row_that_hangs_or_crashes_its_worker_is_recorded_and_the_run_goes_on(library, tmp_path):

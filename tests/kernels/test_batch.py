@@ -156,6 +156,37 @@ def test_a_batch_whose_tensors_would_overflow_32_bit_indexing_runs_in_slices(tmp
         assert calls == [3]
 
 
+@pytest.mark.parametrize("limit, calls", [(18, [16, 4]), (3, [3, 3, 3, 3, 3, 3, 2])])
+def test_slices_hand_the_kernels_aligned_tensors_only(tmp_path, target, monkeypatch, limit, calls):
+    # 3x5x5 fp32 samples are 300 bytes: a slice after one starts off TVM's 64-byte alignment, which vector loads
+    # rely on (a misaligned address faults on a GPU). Slices of 16 samples (4800 bytes) start on it again; a
+    # limit below 16 gets aligned copies instead.
+    from pipedp.ops.layout import ALIGNMENT
+
+    key = target_key(target)
+    conv = DepthwiseConv(4, 3, 5, 5, padding=1)
+    for op in OPS:
+        R.append(tmp_path / R.RECORDS_FILE, _measure(conv, op, _config(conv, op, "NCHW", target), 1.0, key, "NCHW"))
+    E.export(str(tmp_path), target)
+    lib = load_library(str(tmp_path), CPU)
+    seen = []
+
+    def spy(*args, f):
+        seen.append((args[0].shape[0], all(t.data_ptr() % ALIGNMENT == 0 for t in args)))
+        return f(*args)
+
+    for sym, f in list(lib._funcs.items()):
+        monkeypatch.setitem(lib._funcs, sym, lambda *a, f=f: spy(*a, f=f))
+    per_sample = 3 * 7 * 7  # the padded input: what batch_limit counts
+    monkeypatch.setattr(runtime, "INDEX_LIMIT", limit * per_sample + 1)
+    assert runtime.batch_limit(conv) == limit
+    big = dataclasses.replace(conv, n=20)
+    for op in OPS:
+        seen.clear()
+        runner.check(lib.find(op, big, "NCHW"), big, op, CPU, "NCHW")  # (right, every slice added up)
+        assert [n for n, _ in seen] == calls and all(ok for _, ok in seen), (op, seen)
+
+
 def test_the_batch_limit_keeps_every_tensor_under_2_31_elements():
     p = DepthwiseConv(1, 32, 112, 112, padding=1)
     limit = runtime.batch_limit(p)

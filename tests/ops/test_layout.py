@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from pipedp.ops.layout import arrange, empty, layout_of_tensor
+from pipedp.ops.layout import ALIGNMENT, aligned, arrange, empty, layout_of_tensor
 
 
 def test_memory_format_picks_the_layout():
@@ -30,3 +30,14 @@ def test_empty_and_bad_layouts():
     assert y.dtype == torch.float64 and y.is_contiguous(memory_format=torch.channels_last)
     with pytest.raises(ValueError, match="layout 'NCWH'"):
         arrange(y, "NCWH")
+
+
+def test_aligned_copies_only_a_tensor_whose_data_is_off_the_kernels_alignment():
+    x = torch.randn(4, 3, 5, 5)  # 300 bytes a sample
+    assert aligned(x) is x and x.data_ptr() % ALIGNMENT == 0
+    view = x[1:]
+    assert view.data_ptr() % ALIGNMENT != 0
+    copy = aligned(view)
+    assert copy.data_ptr() % ALIGNMENT == 0 and torch.equal(copy, view) and copy.stride() == view.stride()
+    nhwc = arrange(x.contiguous(memory_format=torch.channels_last)[1:], "NHWC")
+    assert aligned(nhwc).is_contiguous() and torch.equal(aligned(nhwc), nhwc)

@@ -9,7 +9,7 @@ from pipedp.models import resnet18
 from pipedp.options import ConcurrencyOptions, TrainingOptions
 from pipedp.pipeline.concurrency import check_concurrency
 from tests.pipeline.concurrency_reference import engine_for, plain_train, tiny_resnet
-from tests.reference import clone, data, max_diff
+from tests.reference import clone, data, max_diff, sequential_cnn
 
 TOL = 1e-5
 ALL = dict(branches=True, split_grads=True, early_update=True)
@@ -65,6 +65,25 @@ def test_the_pieces_are_joined_at_the_end_of_a_step_and_undone():
 def test_nothing_is_installed_when_all_are_off():
     engine = engine_for(tiny_resnet(), stages=2, sample=torch.randn(4, 3, 8, 8))
     assert engine._pipe.concurrency is None and engine._pipe.executor.side_lanes == []
+
+
+def test_side_lanes_a_model_never_uses_are_forked_before_they_are_joined(monkeypatch):
+    # MobileNetV2's residual blocks have identity shortcuts: branches=True makes none concurrent, so the branch lanes
+    # get no work. The step still joins them; on the H100 that made every captured step (and trial) fail with
+    # cudaErrorStreamCaptureInvalidated. A lane joined at the end of a step must have been forked at its start.
+    from pipedp.pipeline.stream import Lane
+
+    log = []
+    monkeypatch.setattr(Lane, "wait_lane", lambda self, other: log.append((self.name, other.name)))
+    engine = engine_for(sequential_cnn(), stages=2, sample=torch.randn(4, 3, 8, 8), branches=True, split_grads=True)
+    assert engine._pipe.concurrency.branches.count == 0  # nothing forks: the branch lanes stay idle
+    x, y = data(n=4, size=8, steps=1)[0]
+    log.clear()
+    engine.train_step(x, y)
+    joined = {other for lane, other in log if lane == "current"}
+    assert {"stage0", "stage1", "branch0", "wgrad0"} <= joined  # on a CPU the stages share one lane of each kind
+    for name in joined:
+        assert (name, "current") in log and log.index((name, "current")) < log.index(("current", name)), name
 
 
 def test_compile_with_swapped_layers_is_refused_with_the_fix():
