@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from .comm import Communicator
+from .device import canonical_device
 from .options import ConcurrencyOptions, PipelineOptions, TrainingOptions
 from .partition.blocks import Block, Chain, blocks_of, check_chain, module_mode
 from .partition.profile import BlockProfile, estimate_blocks, profile_blocks
@@ -63,6 +64,16 @@ class Pipeline:
     batchnorm: DeferredBatchNorm | None  # "batch", or a BatchNorm used by several stages: deferred updates
     buffers: BufferSnapshot  # to put buffers back after a failed step
     concurrency: Concurrency | None = None  # branches / split weight gradients swapped in (undo() puts back)
+
+    def detach(self) -> None:
+        """Take off the user's model what this pipeline put on it (swapped blocks and convolutions, BatchNorm
+        and gradient hooks), so that a closed or dropped engine leaves the plain model; safe to call twice."""
+        if self.concurrency is not None:
+            self.concurrency.undo()
+        if self.batchnorm is not None:
+            self.batchnorm.remove()
+        if self.sync is not None:
+            self.sync.remove()
 
 
 @dataclass(frozen=True)
@@ -355,6 +366,9 @@ def build_pipeline(model: nn.Module, batch: torch.Tensor, options: PipelineOptio
     step must split the batch into.
     """
     training = training if training is not None else TrainingOptions()
+    # With their indices (``cuda`` is ``cuda:<current>``), as tensors report theirs: stages, lanes and the
+    # executor's copy lanes compare and key devices, and ``cuda`` != ``cuda:0``.
+    devices = [canonical_device(d) for d in devices]
     sizes = microbatch.sizes(batch.shape[0], max(_choices(options, batch.shape[0])))
     first = devices[0]
     model.to(first)

@@ -18,9 +18,10 @@ from typing import Any, Callable, Iterator, Protocol, Sequence, TypeVar
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from .distributed import (
-    DistributedError, Layout, all_reduce, barrier, check_backend, missing_note, resolve_layout,
+    DistributedError, Layout, all_reduce, barrier, broadcast_tensors, check_backend, missing_note, resolve_layout,
 )
 from .options import DataParallelOptions, PipelineOptions, TrainingOptions
 from .pipeline.gradsync import GradSync
@@ -63,6 +64,13 @@ class Communicator(Protocol):
 
         Runs before any collective that sends model tensors, which would abort
         the job (or train apart silently) on a mismatch.
+        """
+
+    def same_start(self, model: nn.Module) -> None:
+        """Give every rank rank 0's parameter and buffer values, as DDP does at construction.
+
+        After :meth:`check_same_model` (the same names, shapes and dtypes): ranks
+        whose models were initialised apart would otherwise train apart.
         """
 
     def decide(self, fn: Callable[[], T]) -> T:
@@ -126,6 +134,9 @@ class Local:
 
     def check_same_model(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                          options: PipelineOptions, training: TrainingOptions | None = None) -> None:
+        return None
+
+    def same_start(self, model: nn.Module) -> None:
         return None
 
     def decide(self, fn: Callable[[], T]) -> T:
@@ -215,6 +226,12 @@ class Distributed:
         signature = model_signature(model, optimizer, self._settings(options, training))
         with self._collective("comparing the model across ranks in wrap()"):
             check_same_model(signature, self.layout)
+
+    def same_start(self, model: nn.Module) -> None:
+        tensors = [t for t in {id(t): t for t in (*model.parameters(), *model.buffers())}.values()
+                   if not is_lazy(t)]  # a lazy layer has no values yet
+        with self._collective("giving every rank rank 0's parameters and buffers in wrap()"):
+            broadcast_tensors(tensors, 0, self.layout.everyone, self.layout.timeout)
 
     def decide(self, fn: Callable[[], T]) -> T:
         lay = self.layout

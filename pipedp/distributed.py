@@ -23,7 +23,7 @@ from .checks import positive_int, positive_number
 
 __all__ = [
     "Layout", "resolve_layout", "check_backend", "missing_ranks", "missing_note", "DistributedError",
-    "DEFAULT_TIMEOUT_S", "timed", "gather_objects", "broadcast_object", "barrier", "all_reduce",
+    "DEFAULT_TIMEOUT_S", "timed", "gather_objects", "broadcast_object", "broadcast_tensors", "barrier", "all_reduce",
 ]
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -247,6 +247,44 @@ def broadcast_object(obj: Any, src: int, group: Any, timeout: datetime.timedelta
     buf = payload if payload is not None else torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
     timed(lambda: dist.broadcast(buf, src=src, group=group, async_op=True), timeout)
     return obj if sender else _decode(buf, buf.numel())
+
+
+BROADCAST_CHUNK_BYTES = 256 * 1024 * 1024  # the most of one flat message (DDP's broadcast buffer is 250 MB)
+
+
+def _chunks(tensors: list[torch.Tensor], cap: int) -> list[list[torch.Tensor]]:
+    """``tensors`` in runs of at most ``cap`` bytes (a bigger tensor alone)."""
+    out: list[list[torch.Tensor]] = []
+    size = cap
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if size + nbytes > cap:
+            out.append([])
+            size = 0
+        out[-1].append(t)
+        size += nbytes
+    return out
+
+
+def broadcast_tensors(tensors: list[torch.Tensor], src: int, group: Any, timeout: datetime.timedelta) -> None:
+    """Global rank ``src``'s values of ``tensors`` copied in place into every member's (same shapes and dtypes).
+
+    One flat message per device, dtype and 256 MiB, on the group's wire device.
+    """
+    dev = _wire(group)
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    for ts in groups.values():
+        for part in _chunks(ts, BROADCAST_CHUNK_BYTES):
+            flat = torch.cat([t.detach().reshape(-1) for t in part]).to(dev)
+            wire = flat.view(torch.uint8) if flat.dtype == torch.bool else flat  # gloo moves no bools
+            timed(lambda: dist.broadcast(wire, src=src, group=group, async_op=True), timeout)
+            off = 0
+            with torch.no_grad():
+                for t in part:
+                    t.copy_(flat[off : off + t.numel()].view_as(t))
+                    off += t.numel()
 
 
 def barrier(group: Any, timeout: datetime.timedelta) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import statistics
 import warnings
+import weakref
 from dataclasses import replace
 from typing import Any, Sequence
 
@@ -29,6 +30,7 @@ from .optimizer import OptimizerSpec, check_optimizer, move_optimizer_state
 from .options import (
     ConcurrencyOptions, DataParallelOptions, KernelOptions, MicrobatchSpec, PipelineOptions, TrainingOptions,
 )
+from .partition.blocks import check_one_input
 from .pipeline import microbatch
 from .pipeline.concurrency import check_concurrency
 from .pipeline.early_update import EarlyUpdate
@@ -41,6 +43,7 @@ from .restore import check_checkpoint, undo_on_failure
 from .snapshot import rng_state, set_rng_state
 from .step import LossFn, StepRunner
 from .update import GradientStep
+from .watch import ModelWatch
 
 __all__ = ["Engine"]
 
@@ -74,6 +77,7 @@ class Engine:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        check_one_input(model)  # one tensor per batch, whatever the stage count
         self.module = model
         self.options = opts = pipeline if pipeline is not None else PipelineOptions()
         kopts = kernels if kernels is not None else KernelOptions()
@@ -86,6 +90,8 @@ class Engine:
         self.comm = communicator(data_parallel if data_parallel is not None else DataParallelOptions())
         self.comm.check(self.devices, opts.cuda_graph)
         self.comm.check_same_model(model, self.optimizer, opts, topts)
+        self.comm.same_start(model)  # rank 0's values everywhere, as DDP does
+        self._watch = ModelWatch(model)  # what the model holds now, checked at every step
         self.concurrency_options = concurrency if concurrency is not None else ConcurrencyOptions()
         check_concurrency(self.concurrency_options, topts, self.optimizer)
         if opts.cuda_graph and topts.precision == "fp16":
@@ -106,6 +112,7 @@ class Engine:
         self._plan: Plan | None = None
         self._timers: list[StepTimer] = []
         self._trace_path: str | None = None
+        self._detach: weakref.finalize | None = None  # takes the pipeline's hooks off the model (close, or GC)
         swap = swap_depthwise(model, kopts.mode, kopts.db, self.devices[0])
         self.kernel_layers = swap.count
         if sample is not None:
@@ -137,9 +144,32 @@ class Engine:
         pipe = self._pipe = build_pipeline(self.module, batch, self.options, self.devices, self.comm, step=self.steps,
                                            training=self.training_options, concurrency=self.concurrency_options)
         self._plan = pipe.plan
+        # Not a method of self: the finalizer must not keep the engine alive. It runs at close() or when the
+        # engine is collected, so a dropped engine leaves no hooks on the user's model.
+        self._detach = weakref.finalize(self, pipe.detach)
+        self._detach.atexit = False  # at exit the model goes too
+        self._watch.accept()  # the build placed the model on its stages' devices
         if self.optimizer is not None:
             move_optimizer_state(self.optimizer)
         return pipe
+
+    def _follow_changes(self) -> None:
+        """Re-derive what depends on the trainable set and dtypes if they changed since the last step.
+
+        The gradient buckets are packed again, pipeline ranks send the metadata
+        of their boundaries afresh, a captured step is captured again. What
+        cannot be followed raises (:class:`~pipedp.watch.ModelWatch`).
+        """
+        if not self._watch.changed() or self._pipe is None:
+            return
+        pipe = self._pipe
+        if pipe.sync is not None:
+            pipe.sync.refresh([list(st.chain.parameters()) for st in pipe.executor.stages])
+        if pipe.transport is not None:
+            pipe.transport.forget()
+        if self._runner is not None and self._runner.graph is not None:
+            self._runner.graph.reset()
+        self.module.zero_grad(set_to_none=True)
 
     def _runner_for(self, x: torch.Tensor) -> StepRunner:
         if self.optimizer is None or self.loss_fn is None:
@@ -200,8 +230,14 @@ class Engine:
             raise ValueError(
                 f"x and y must share the batch dimension 0, got shapes {tuple(x.shape)} and {tuple(y.shape)}"
             )
+        if x.shape[0] == 0:
+            raise ValueError(
+                f"the batch is empty (x has shape {tuple(x.shape)}): there is nothing to train on. Skip empty "
+                f"batches, or check what produced it (a sampler or filter that selected no samples)"
+            )
         if isinstance(self.microbatches, int):  # "auto" chooses a count the batch allows
             microbatch.sizes(x.shape[0], self.microbatches)  # clear error for a batch too small
+        self._follow_changes()
         runner = self._runner_for(x)
         ex = runner.pipe.executor
         if ex.is_first:
@@ -238,6 +274,7 @@ class Engine:
         """Forward-only pipelined inference in the module's current mode (see :meth:`eval`)."""
         if not isinstance(x, torch.Tensor) or x.dim() == 0:
             raise TypeError("engine(x) takes a batched tensor")
+        self._follow_changes()
         ex = (self._pipe if self._pipe is not None else self._build(x)).executor
         if ex.is_first:
             x = in_layout(x.to(ex.stages[0].device, non_blocking=True), self.training_options)
@@ -247,6 +284,19 @@ class Engine:
             return x
         outs = ex.forward(microbatch.split(x, self.microbatches))
         return microbatch.gather(outs) if ex.is_last else None  # type: ignore[return-value]
+
+    def close(self) -> None:
+        """Take what this engine put on the model off it; the next step or call plans and builds again.
+
+        Removes the BatchNorm and gradient hooks and puts swapped blocks and
+        convolutions back, as happens when the engine is garbage-collected.
+        The model keeps its weights, its devices and its depthwise kernel
+        layers (plain data that run without the engine). Safe to call twice.
+        """
+        if self._detach is not None:
+            self._detach()
+            self._detach = None
+        self._pipe, self._runner, self._plan, self._timers = None, None, None, []
 
     def eval(self) -> "Engine":
         self.module.eval()
@@ -266,6 +316,8 @@ class Engine:
         stages = self._pipe.executor.stages if self._pipe is not None else None
         model, optim = self.comm.model_state(self.module, stages, self.optimizer)
         entry = {"steps": self.steps, "format": CHECKPOINT_FORMAT, "rng": self.comm.rng_states(rng_state())}
+        if self.optimizer is not None:  # checked at load: Adam and AdamW state dicts look alike
+            entry["optimizer_class"] = type(self.optimizer).__name__
         if self.scaler is not None:
             entry["scaler"] = self.scaler.state_dict()
         return {"model": model, "optimizer": optim, "engine": entry}

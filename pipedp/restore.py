@@ -7,6 +7,14 @@ checked against the engine it goes into — model keys and shapes, the
 optimizer's kind and parameter counts, the engine entry, every RNG
 state and the fp16 loss scale — and only then applied; if applying still fails, everything it
 touched is put back (:func:`undo_on_failure`).
+
+An optimizer state dict names parameters by position only, so state saved
+for another parameter order with the same counts would load and make every
+step fail with a size error: each per-parameter state tensor is checked
+against the parameter it lands on. Adam and AdamW share every group key and
+differ in how weight decay is applied; loading one into the other would
+switch it silently, so the optimizer's class (recorded at save) and the
+groups' ``decoupled_weight_decay`` must match.
 """
 
 from __future__ import annotations
@@ -72,7 +80,8 @@ def _group_keys(groups: list[dict[str, Any]]) -> list[str]:
     return sorted({k for g in groups for k in g if k != "params"})
 
 
-def _check_optimizer(optimizer: torch.optim.Optimizer | None, state: Any) -> None:
+def _check_optimizer(optimizer: torch.optim.Optimizer | None, state: Any, names: Mapping[int, str],
+                     saved_class: str | None = None) -> None:
     if state is None:
         return
     if optimizer is None:
@@ -99,6 +108,64 @@ def _check_optimizer(optimizer: torch.optim.Optimizer | None, state: Any) -> Non
     stray = [i for i in state["state"] if i not in ids]
     if stray:
         raise ValueError(f"the checkpoint's optimizer state names parameters {stray[:_LIST]} that no group holds")
+    _check_weight_decay(optimizer, saved, saved_class)
+    _check_state_shapes(optimizer, state, names)
+
+
+def _adam_kind(decoupled: Any) -> str:
+    return "AdamW (decoupled weight decay)" if decoupled else "Adam (L2 weight decay)"
+
+
+def _check_weight_decay(optimizer: torch.optim.Optimizer, saved: list[Mapping[str, Any]],
+                        saved_class: str | None) -> None:
+    """Refuse optimizer state of another class, or of the Adam family with the other kind of weight decay."""
+    kind = type(optimizer).__name__
+    if saved_class is not None and saved_class != kind:
+        raise ValueError(
+            f"the checkpoint's optimizer state was saved by {saved_class}, this engine's optimizer is {kind}: "
+            f"loading it would put {saved_class}'s hyper-parameters (its weight decay among them) into {kind}. "
+            f"Nothing was loaded; wrap with {saved_class} to resume, or load only the model "
+            f"(engine.module.load_state_dict(ckpt['model']))")
+    for i, (g, mine) in enumerate(zip(saved, optimizer.param_groups)):
+        if "decoupled_weight_decay" in g and "decoupled_weight_decay" in mine \
+                and bool(g["decoupled_weight_decay"]) != bool(mine["decoupled_weight_decay"]):
+            raise ValueError(
+                f"the checkpoint's optimizer state is {_adam_kind(g['decoupled_weight_decay'])} state, this "
+                f"engine's {kind} is set up as {_adam_kind(mine['decoupled_weight_decay'])} (param group {i}): "
+                f"loading it would switch the weight decay. Nothing was loaded; wrap with the optimizer the "
+                f"checkpoint was saved with, or load only the model (engine.module.load_state_dict(ckpt['model']))")
+
+
+def _fits(saved: torch.Tensor, param: torch.Tensor, own: Any) -> bool:
+    """Whether per-parameter state ``saved`` can serve ``param``: the shape of the optimizer's own state of that
+    kind where it has one, else the parameter's shape or (factored statistics such as Adafactor's) that shape
+    with some sizes reduced to 1."""
+    if saved.dim() == 0:
+        return True
+    if isinstance(own, torch.Tensor):
+        return saved.shape == own.shape
+    return saved.dim() == param.dim() and all(a in (b, 1) for a, b in zip(saved.shape, param.shape))
+
+
+def _check_state_shapes(optimizer: torch.optim.Optimizer, state: Mapping[str, Any], names: Mapping[int, str]) -> None:
+    """Each saved per-parameter state tensor against the parameter it will land on (by position, as torch maps)."""
+    saved_ids = [i for g in state["param_groups"] for i in g["params"]]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    bad = []
+    for pos, (i, p) in enumerate(zip(saved_ids, params)):
+        entry = state["state"].get(i)
+        if not isinstance(entry, Mapping):
+            continue
+        own = optimizer.state.get(p, {})
+        for k, v in entry.items():
+            if isinstance(v, torch.Tensor) and not _fits(v, p, own.get(k)):
+                bad.append(f"{k} {tuple(v.shape)} for {names.get(id(p), f'parameter {pos}')} {tuple(p.shape)}")
+    if bad:
+        raise ValueError(
+            f"the checkpoint's optimizer state does not fit this engine's parameters: {_some(bad)} (state vs "
+            f"parameter shape). The optimizer was built on the parameters in another order or grouping when it "
+            f"was saved. Nothing was loaded; build the optimizer's param groups in that order, or load only the "
+            f"model (engine.module.load_state_dict(ckpt['model']))")
 
 
 def _check_rng(rng: Any) -> list[dict[str, Any]] | None:
@@ -136,7 +203,11 @@ def check_checkpoint(state: Any, module: nn.Module, optimizer: torch.optim.Optim
     rng = _check_rng(entry.get("rng"))
     scaler = check_scaler_state(entry.get("scaler"))
     _check_model(module, state["model"])
-    _check_optimizer(optimizer, state["optimizer"])
+    saved_class = entry.get("optimizer_class")
+    if saved_class is not None and not isinstance(saved_class, str):
+        raise ValueError(f"the checkpoint's engine entry has optimizer_class={saved_class!r:.60}, not a class name")
+    names = {id(p): n for n, p in module.named_parameters()}
+    _check_optimizer(optimizer, state["optimizer"], names, saved_class)
     return EngineEntry(steps=steps, rng=rng, scaler=scaler)
 
 

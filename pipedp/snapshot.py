@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import operator
 import random
 import warnings
 from typing import Any, Iterator, Sequence
@@ -27,24 +28,40 @@ __all__ = ["BufferSnapshot", "UpdateSnapshot", "preserved_state", "rng_state", "
 
 
 class BufferSnapshot:
-    """Copies of a model's buffers, refreshed in place by :meth:`save` and copied back by :meth:`restore`."""
+    """Copies of a model's buffers, refreshed by :meth:`save` and copied back by :meth:`restore`.
+
+    Buffers are found by module and name at each :meth:`save`, not kept as the
+    tensor objects of the first one: ``model.double()``, ``load_state_dict(...,
+    assign=True)`` or ``bn.running_mean = t`` put other tensors there after
+    wrap, and a failed step must put back what the model holds now. While
+    those stay the same tensors, a save reuses its copies (no allocation).
+    """
 
     def __init__(self, model: nn.Module) -> None:
-        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for b in model.buffers():
-            groups.setdefault((b.device, b.dtype), []).append(b)
-        self.groups = list(groups.values())
+        self.slots = [(m, name) for m in model.modules() for name, b in m._buffers.items() if b is not None]
+        self.live: list[torch.Tensor] = []  # the tensors of the last save, each once
+        self.groups: list[list[torch.Tensor]] = []  # of ``live``, by device and dtype
         self.saved: list[list[torch.Tensor]] | None = None
 
+    def _current(self) -> list[torch.Tensor]:
+        found = (m._buffers.get(name) for m, name in self.slots)
+        return list({id(b): b for b in found if b is not None}.values())
+
     def save(self) -> None:
+        live = self._current()
         with torch.no_grad():
-            if self.saved is None:
-                self.saved = [[b.clone() for b in g] for g in self.groups]
-            else:
+            if self.saved is not None and len(live) == len(self.live) and all(map(operator.is_, live, self.live)):
                 for dst, src in zip(self.saved, self.groups):
                     torch._foreach_copy_(dst, src)
+                return
+            groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+            for b in live:
+                groups.setdefault((b.device, b.dtype), []).append(b)
+            self.live, self.groups = live, list(groups.values())
+            self.saved = [[b.clone() for b in g] for g in self.groups]
 
     def restore(self) -> None:
+        """Put the saved values back into the tensors the model held at :meth:`save`."""
         if self.saved is None:
             return
         with torch.no_grad():

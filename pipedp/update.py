@@ -42,7 +42,8 @@ def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float, comm: Commun
 
 
 def _unique(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    return list({id(p): p for p in params if p.requires_grad}.values())
+    """Each parameter once, frozen ones too: what acts is decided at each step by which have a ``.grad``."""
+    return list({id(p): p for p in params}.values())
 
 
 class GradientStep:
@@ -50,6 +51,9 @@ class GradientStep:
 
     ``params``: the parameters of this rank's stages. ``scaler``: fp16 loss
     scaling (None otherwise). ``clip``: the total-norm bound (None: no clipping).
+    Like ``GradScaler`` and ``clip_grad_norm_``, both act on every parameter
+    that has a gradient this step, so a layer unfrozen after the engine was
+    built is unscaled and clipped too (a frozen one has ``.grad`` None).
     """
 
     def __init__(self, params: Iterable[torch.Tensor], comm: Communicator, *, scaler: LossScaler | None = None,

@@ -37,6 +37,28 @@ def wrong() -> None:
     raise _Wrong("differs from torch by 1")
 
 
+class AcceleratorError(RuntimeError):
+    """As torch raises it after a kernel read out of bounds: the process's CUDA context is gone for good."""
+
+
+_BROKEN = False
+
+
+def illegal_access() -> None:
+    """A job that faults as a kernel reading out of bounds does on a GPU: it raises, and every later job of its
+    process fails with the same error (a CUDA error is sticky)."""
+    global _BROKEN
+    _BROKEN = True
+    raise AcceleratorError("CUDA error: an illegal memory access was encountered")
+
+
+def pid_unless_broken() -> int:
+    """:func:`pid`, or the sticky error where an earlier job of this process broke it."""
+    if _BROKEN:
+        raise AcceleratorError("CUDA error: an illegal memory access was encountered")
+    return os.getpid()
+
+
 def _first(fault: str) -> bool:
     folder = os.environ.get(FAULTS)
     if not folder:

@@ -51,6 +51,16 @@ def sequential_cnn(classes: int = 10) -> nn.Sequential:
     )
 
 
+def bn_cnn(classes: int = 10) -> nn.Sequential:
+    """A small CNN with two BatchNorms (seeded): for tests of the statistics a step updates or puts back."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, classes),
+    )
+
+
 def data(n: int = 10, size: int = 16, classes: int = 10, seed: int = 0, steps: int = 3):
     g = torch.Generator().manual_seed(seed)
     return [

@@ -395,7 +395,8 @@ def test_save_and_load_resume_bit_identically_with_dropout(tmp_path):
         b_loss = b.train_step(x, y)
     assert torch.equal(a_loss, b_loss)
     assert all(torch.equal(p, q) for p, q in zip(a.module.state_dict().values(), b.module.state_dict().values()))
-    assert set(torch.load(tmp_path / "ckpt.pt", weights_only=True)["engine"]) == {"steps", "format", "rng"}
+    entry = torch.load(tmp_path / "ckpt.pt", weights_only=True)["engine"]
+    assert set(entry) == {"steps", "format", "rng", "optimizer_class"} and entry["optimizer_class"] == "SGD"
 
 
 def test_microbatches_auto_lets_the_plan_choose_them():

@@ -12,9 +12,15 @@ libgomp torch already loaded, so kernels and torch ops use one team, sized by
 ``torch.set_num_threads``.
 
 The launcher is compiled once per machine with the system C compiler into
-the per-user cache (written whole or not at all). Without a compiler, or with
-a torch not built on OpenMP, :func:`route` returns False and the kernel keeps
-TVM's pool (see :mod:`.threads`). Needs no TVM compiler.
+the per-user cache (written whole or not at all). Loading a library runs its
+constructors, so the cached one is loaded only if it is the one pipedp built
+there, as kernel libraries are checked against their export record: its
+sha256, recorded beside it at build (``<name>.sha256``), must match, and both
+files must be regular files of this user that nobody else may write (a
+checksum in a folder others can write would vouch for nothing). Anything
+else is rebuilt, never loaded. Without a compiler, or with a torch not built
+on OpenMP, :func:`route` returns False and the kernel keeps TVM's pool (see
+:mod:`.threads`). Needs no TVM compiler.
 """
 
 from __future__ import annotations
@@ -25,11 +31,14 @@ import hashlib
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
 
 import torch
+
+from .artifact import sha256
 
 __all__ = ["route", "launcher_address", "cache_folder"]
 
@@ -68,25 +77,64 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 
 
+def _distrust(path: str) -> str | None:
+    """Why the file at ``path`` may not be this user's own (None: a regular file only this user may write)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return "it is missing"
+    except OSError as e:
+        return f"it cannot be read ({e.strerror or e})"
+    if not stat.S_ISREG(st.st_mode):
+        return "it is not a regular file"
+    if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
+        return f"it belongs to user id {st.st_uid}, not to this user"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"others may write it (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def _untrusted(path: str) -> str | None:
+    """Why the launcher at ``path`` is not the one pipedp built there (None: it is, checked by sha256)."""
+    for p in (path, path + ".sha256"):
+        why = _distrust(p)
+        if why is not None:
+            return f"{os.path.basename(p)}: {why}"
+    try:
+        with open(path + ".sha256") as f:
+            want = f.read().strip()
+        got = sha256(path)
+    except OSError as e:
+        return f"it cannot be read ({e.strerror or e})"
+    return None if got == want else f"its sha256 {got[:16]}... is not the {want[:16]}... recorded at build"
+
+
 def _build(folder: str) -> str:
-    """The launcher library, compiled into ``folder`` unless it is already there."""
+    """The launcher library in ``folder``: the one built there before if it checks out, else built now."""
     digest = hashlib.sha256(_SOURCE.encode()).hexdigest()[:16]
     path = os.path.join(folder, f"omp-launch-{digest}.so")
-    if os.path.exists(path):
+    why = _untrusted(path)
+    if why is None:
         return path
+    if os.path.lexists(path):
+        log.warning("not loading the OpenMP launcher %s (%s): building it again", path, why)
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (set CC)")
-    os.makedirs(folder, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder) as work:
-        src, out = os.path.join(work, "launch.c"), os.path.join(work, "launch.so")
-        with open(src, "w") as f:
-            f.write(_SOURCE)
-        done = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-fopenmp", src, "-o", out],
-                              capture_output=True, text=True, timeout=120)
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder) as work:  # private (0700) until renamed into place
+        done = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-fopenmp", "-x", "c", "-", "-o", "launch.so"],
+                              input=_SOURCE, cwd=work, capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip()[:300]}")
-        os.replace(out, path)  # whole or not at all; a concurrent build writes the same bytes
+        out, check = os.path.join(work, "launch.so"), os.path.join(work, "launch.so.sha256")
+        with open(check, "w") as f:
+            f.write(sha256(out) + "\n")
+        for p in (out, check):
+            os.chmod(p, 0o755 if p == out else 0o644)  # not the umask's: nobody else may write either
+        # Library first, then its checksum: a crash between leaves a mismatch, which builds again.
+        os.replace(out, path)
+        os.replace(check, path + ".sha256")
     return path
 
 

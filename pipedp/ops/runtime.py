@@ -26,6 +26,7 @@ import ctypes
 import logging
 import importlib.util
 import json
+import math
 import os
 import threading
 from dataclasses import dataclass
@@ -35,12 +36,13 @@ import torch
 
 from . import parallel
 from . import records as rec
-from .artifact import cpu_flags, sha256
+from .artifact import cpu_flags, cpu_name, sha256
+from .layout import ALIGNMENT, aligned
 from .problem import DepthwiseConv
 from .records import KernelDbError
 
-__all__ = ["KernelLibrary", "KernelChoice", "load_library", "library", "library_or_none", "default_db",
-           "runtime_folder", "target_for", "batch_limit", "INDEX_LIMIT", "KernelDbError"]
+__all__ = ["KernelLibrary", "KernelChoice", "load_library", "library", "library_or_none", "library_key", "default_db",
+           "runtime_folder", "target_for", "batch_limit", "INDEX_LIMIT", "KernelDbError", "ExportForOtherCpu"]
 
 _lock = threading.Lock()
 _loaded_runtime: set[str] = set()
@@ -112,6 +114,7 @@ class KernelLibrary:
         self.sha256: str = export["sha256"]
         self.kernels: dict[str, str] = dict(export["kernels"])
         self.timings: dict[str, dict[str, Any]] = dict(export.get("timings") or {})
+        _check_cpu(db, export)  # a model saved with these kernels and loaded on another machine
         _verify(db, self.path, self.sha256)
         tvm_ffi = _load_runtime(self.target.startswith("cuda"))
         self.module = _load_module(tvm_ffi, db, self.path)
@@ -127,7 +130,7 @@ class KernelLibrary:
     @property
     def key(self) -> str:
         """What names this library in a :class:`KernelChoice` (and in the compiled op's arguments)."""
-        return f"{os.path.realpath(self.path)}@{self.sha256}"
+        return library_key(self.db, os.path.basename(self.path), self.sha256)
 
     def find(self, op: str, problem: DepthwiseConv, layout: str = "NCHW", faster_only: bool = False) \
             -> Callable[..., Any] | None:
@@ -167,10 +170,21 @@ class KernelLibrary:
 
     def beats_torch(self, key: str) -> bool:
         """Whether the kernel exported under ``key`` measured faster than torch in its layout when tuned (at the
-        batch size it was tuned at; True when not recorded)."""
+        batch size it was tuned at; True when not recorded). A timing that carries a decision of its own
+        (``"faster": true/false``, e.g. a benchmark's: faster by a margin, and confirmed in fresh rounds) is
+        taken as it says."""
         t = self.timings.get(key) or {}
+        if isinstance(t.get("faster"), bool):
+            return t["faster"]
         us, base = t.get("us"), t.get("torch_us")
         return not (isinstance(us, (int, float)) and isinstance(base, (int, float))) or us < base
+
+
+def library_key(db: str, name: str, digest: str) -> str:
+    """``<database folder>/<library file>@<sha256>``: the library's place in its database, the same in every
+    process. The folder is resolved (one key per database however it is spelled), the file is not: a library
+    replaced by a link to a copy elsewhere keeps its key, and :func:`library` finds its export record again."""
+    return f"{os.path.join(os.path.realpath(db), name)}@{digest}"
 
 
 def _batch_bound(key: str) -> bool:
@@ -196,19 +210,30 @@ def batch_limit(problem: DepthwiseConv) -> int:
 
 def _in_slices(kernel: Callable[..., Any], op: str, limit: int) -> Callable[..., Any]:
     """``kernel`` run on slices of at most ``limit`` samples (views along the batch, the outermost dimension in
-    both layouts); grad-weight adds up the slices' weight gradients."""
+    both layouts); grad-weight adds up the slices' weight gradients.
+
+    A slice must start on the kernels' alignment (see :mod:`pipedp.ops.layout`): slices are whole multiples of
+    the samples after which every sliced tensor starts on it again, and where ``limit`` is fewer than that,
+    the inputs are copied and the output written to an aligned buffer and copied back."""
 
     def run(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         n = a.shape[0]
-        for start in range(0, n, limit):
-            part = slice(start, min(n, start + limit))
+        sliced = (a, b) if op == "wgrad" else (a, out)
+        period = math.lcm(*(ALIGNMENT // math.gcd(ALIGNMENT, t[0].numel() * t.element_size()) for t in sliced))
+        step = limit // period * period if limit >= period else limit
+        for start in range(0, n, step):
+            part = slice(start, min(n, start + step))
             if op != "wgrad":  # (activation, weight) -> activation
-                kernel(a[part], b, out[part])
+                dst = out[part]
+                tmp = dst if dst.data_ptr() % ALIGNMENT == 0 else torch.empty_like(dst)
+                kernel(aligned(a[part]), b, tmp)
+                if tmp is not dst:
+                    dst.copy_(tmp)
             elif start == 0:  # (activation, activation) -> weight
-                kernel(a[part], b[part], out)
+                kernel(aligned(a[part]), aligned(b[part]), out)
             else:
                 partial = torch.empty_like(out)
-                kernel(a[part], b[part], partial)
+                kernel(aligned(a[part]), aligned(b[part]), partial)
                 out += partial
 
     return run
@@ -245,6 +270,22 @@ def _cpu_flags(db: str, export: dict[str, Any]) -> set[str]:
         raise _damaged(db, f"the export record in {os.path.join(db, rec.RECORDS_FILE)} has 'cpu_flags' "
                            f"{flags!r:.60}, not a list of CPU feature names")
     return set(flags)
+
+
+class ExportForOtherCpu(KernelDbError):
+    """The database's CPU kernels were exported for vector extensions this CPU lacks (they would not run here)."""
+
+
+def _check_cpu(db: str, export: dict[str, Any]) -> None:
+    """Refuse a CPU export that needs features this CPU lacks, naming them and the command that exports here."""
+    missing = sorted(_cpu_flags(db, export) - cpu_flags())
+    if not missing or not str(export.get("target", "")).startswith("cpu"):
+        return
+    raise ExportForOtherCpu(
+        f"{db} holds CPU kernels ({export.get('library')}, target {export.get('target')}) exported on a CPU with "
+        f"{', '.join(missing)}, which this CPU ({cpu_name()}) lacks, so they cannot run here. Tune and export them "
+        f"for this CPU: run `tune-kernels --model <your model> --input-shape N,C,H,W --target cpu --db {db}` on this "
+        f"machine (or pass another --db to keep both)")
 
 
 def _verify(db: str, path: str, expected: str) -> None:
@@ -352,13 +393,14 @@ def load_library(db: str, device: torch.device) -> KernelLibrary | None:
     if want == "cpu":
         flags = cpu_flags()
         exports = [r for r in records if r.get("kind") == "export" and str(r.get("target", "")).startswith("cpu:")]
-        exports = [r for r in exports if _cpu_flags(db, r) <= flags]
-        export = exports[-1] if exports else None
+        fitting = [r for r in exports if _cpu_flags(db, r) <= flags]
+        if exports and not fitting:
+            _check_cpu(db, exports[-1])  # raises: the latest export's missing features and how to export here
+        export = fitting[-1] if fitting else None
     else:
         export = rec.latest_export(records, want)
     if export is None:
         return None
     _check_export(db, export)
-    path = os.path.realpath(os.path.join(db, export["library"]))
-    cached = _loaded.get(f"{path}@{export['sha256']}")
+    cached = _loaded.get(library_key(db, export["library"], export["sha256"]))
     return cached if cached is not None else _remember(KernelLibrary(db, export))

@@ -38,7 +38,7 @@ from torch import nn
 from .depthwise import depthwise_conv2d, problem_of
 from .layout import layout_of_tensor
 from .records import KernelDbError
-from .runtime import KernelChoice, KernelLibrary, default_db, library, load_library
+from .runtime import ExportForOtherCpu, KernelChoice, KernelLibrary, default_db, library, load_library
 
 __all__ = ["TunedDepthwiseConv2d", "is_depthwise", "swap_depthwise", "Swap", "KERNEL_MODES"]
 
@@ -167,6 +167,9 @@ def _library(db: str, mode: str, device: torch.device, layers: int) -> KernelLib
         if mode == "tvm":
             raise KernelDbError(f"kernels='tvm' cannot use the kernels in {db}: {e}; or wrap with kernels='auto' "
                                 f"to run torch") from e
+        if isinstance(e, ExportForOtherCpu):  # not damage: a database made elsewhere (a shared home folder)
+            log.info("kernels='auto': torch runs the %d depthwise layer(s): %s", layers, e)
+            return None
         log.warning("kernels='auto': torch runs the %d depthwise layer(s), since the kernel database %s cannot be "
                     "used: %s", layers, db, e)
         return None

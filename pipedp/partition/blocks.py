@@ -24,6 +24,7 @@ would silently drop the later uses.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -32,7 +33,7 @@ from torch import nn
 
 from ..checks import positive_int
 
-__all__ = ["Block", "blocks_of", "check_chain", "Chain", "module_mode", "mutates_input"]
+__all__ = ["Block", "blocks_of", "check_chain", "check_one_input", "Chain", "module_mode", "mutates_input"]
 
 _HOW = "pass an nn.Sequential of the model's parts, or use stages=1 (no pipeline cut)"
 _RESNET = ("conv1", "bn1", "relu", "layer1", "layer2", "layer3", "layer4", "avgpool", "fc")
@@ -58,6 +59,32 @@ class Chain(nn.Module):
         for part in self.parts:
             x = part(x)
         return x
+
+
+def check_one_input(model: nn.Module) -> None:
+    """Refuse a model whose forward needs more than one input, at any stage count.
+
+    ``train_step(x, y)`` and ``engine(x)`` feed the model one tensor per
+    batch, with one stage as with several: a second input without a default
+    would be a TypeError inside the first step. Inputs with defaults are fine.
+    """
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):  # a forward Python cannot describe: the call itself will tell
+        return
+    P = inspect.Parameter
+    required = [p for p in params if p.default is P.empty]
+    positional = [p.name for p in required if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+    keyword = [p.name for p in required if p.kind is P.KEYWORD_ONLY]
+    needed = positional + keyword
+    if len(positional) <= 1 and not keyword:
+        return
+    raise ValueError(
+        f"{type(model).__name__}.forward takes {len(needed)} inputs ({', '.join(needed)}) without defaults, but "
+        f"pipedp feeds a model one tensor per batch (engine.train_step(x, y), engine(x)), with one stage as with "
+        f"several. To proceed, wrap it in a module whose forward takes one tensor (the inputs concatenated, say, "
+        f"and split again inside), or give the other inputs defaults"
+    )
 
 
 def blocks_of(model: nn.Module, *, depth: int = 1) -> list[Block]:

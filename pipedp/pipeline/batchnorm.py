@@ -20,17 +20,23 @@ are its microbatches in order. The user's modules are not replaced: for each
 forward a hook hands BatchNorm scratch copies of its running buffers to update
 (autograd may save them, so they are never touched again) and puts the
 originals back after; the commit then updates the originals. Parameter and
-buffer names and objects never change.
+buffer names and objects never change. The hooks reach this object weakly
+(:mod:`.weak_hooks`): the model stays copyable and picklable, and the hooks
+leave when :meth:`DeferredBatchNorm.remove` is called or this object dies.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any, Iterable, Sequence
 
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.hooks import RemovableHandle
+
+from .weak_hooks import WeakHook, remove_all
 
 __all__ = ["DeferredBatchNorm", "batchnorms_in_several"]
 
@@ -113,21 +119,22 @@ class DeferredBatchNorm:
         }
         # Per thread: concurrent CPU stages run their chains' forwards on their own worker threads.
         self._here = threading.local()
-        self._handles = []
+        self._handles: list[RemovableHandle] = []
+        self._finalizer = weakref.finalize(self, remove_all, self._handles)  # hooks leave when this object dies
+        self._finalizer.atexit = False
         for pos, chain in enumerate(chains):
-            self._handles.append(chain.register_forward_pre_hook(lambda *_, p=pos: self._enter(p)))
-            self._handles.append(chain.register_forward_hook(lambda *_: self._leave()))
+            self._handles.append(chain.register_forward_pre_hook(WeakHook(self, "_enter", pos)))
+            self._handles.append(chain.register_forward_hook(WeakHook(self, "_leave")))
         for m in self._stats:
-            self._handles.append(m.register_forward_pre_hook(self._before))
-            self._handles.append(m.register_forward_hook(self._after))
+            self._handles.append(m.register_forward_pre_hook(WeakHook(self, "_before")))
+            self._handles.append(m.register_forward_hook(WeakHook(self, "_after")))
 
     def __len__(self) -> int:
         return len(self._stats)
 
     def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        """Take every hook off the modules (safe to call more than once)."""
+        self._finalizer()
 
     def begin(self) -> None:
         for st in self._stats.values():
@@ -142,10 +149,10 @@ class DeferredBatchNorm:
         self.begin()
         self.active = False
 
-    def _enter(self, pos: int) -> None:
+    def _enter(self, pos: int, *_hook_args: Any) -> None:
         self._here.chain, self._here.calls = pos, {}  # the chain running here; its calls of each module
 
-    def _leave(self) -> None:
+    def _leave(self, *_hook_args: Any) -> None:
         self._here.chain, self._here.calls = -1, {}
 
     def _use(self, m: _BatchNorm) -> _Use:

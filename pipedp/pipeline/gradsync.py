@@ -28,8 +28,16 @@ first; a bucket is divided by the group size as before and multiplied by
 ``n_r * ranks / N``, which is exactly 1 for equal batches (then the numbers are
 those of a plain average). On CUDA that factor stays on the device (the lane
 waits for the count, the host does not); on the CPU the first bucket waits for
-the count, which its peers sent when they began the step. With
-``reduce_dtype`` (bf16/fp16) the bucket travels in that dtype: half the bytes,
+the count, which its peers sent when they began the step.
+
+The buckets hold what trains *now*: when a layer is frozen or unfrozen, or a
+parameter changes dtype or shape, after wrap, :meth:`GradSync.refresh` packs
+them again (the engine notices at the start of a step). The count carries a
+stamp of that layout, so on the CPU a rank whose layout differs from its
+peers' (a change made on some ranks only) fails the step on every rank before
+any bucket travels; on CUDA the stamp is not read (that would be a host sync).
+
+With ``reduce_dtype`` (bf16/fp16) the bucket travels in that dtype: half the bytes,
 at the cost of rounding each rank's contribution to 8 (bf16) or 11 (fp16)
 significant bits before the sum.
 """
@@ -37,6 +45,7 @@ significant bits before the sum.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -45,6 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..device import canonical_device
 from ..distributed import DistributedError
 from .stream import Lane, current_lane, new_lane
 from .trace import Clock
@@ -105,6 +115,29 @@ def _pack(params: Sequence[nn.Parameter], cap: int, first_cap: int | None = None
     return out
 
 
+_STAMP_BITS = 16  # per digest: its square summed over up to 1024 ranks stays exact in float64
+
+
+def _layout_stamp(stage_params: Sequence[Sequence[nn.Parameter]]) -> list[float]:
+    """``[0, d1, d1**2, d2, d2**2]``: two digests of which parameters train, in what dtype and shape.
+
+    Summed over the group (with the batch size in place of the 0), every rank
+    had the same digest ``d`` exactly when ``ranks * sum(d**2) == sum(d)**2``.
+    """
+    layout = [(s, i, p.requires_grad, str(p.dtype), tuple(p.shape)) for s, ps in enumerate(stage_params)
+              for i, p in enumerate(ps)]
+    h = hashlib.sha256(repr(layout).encode()).digest()
+    d1, d2 = (float(int.from_bytes(h[k : k + 2], "little") % (1 << _STAMP_BITS)) for k in (0, 2))
+    return [0.0, d1, d1 * d1, d2, d2 * d2]
+
+
+def _same_stamp(sums: Sequence[float], ranks: int) -> bool:
+    """Whether every rank sent the same layout stamp (``sums``: the group's sum of it, without the count)."""
+    if ranks > 1024:  # beyond float64's exact range: not checked
+        return True
+    return all(ranks * sums[k + 1] == sums[k] * sums[k] for k in range(0, len(sums), 2))
+
+
 def _union_ms(intervals: list[tuple[float, float]], until: float) -> tuple[float, float]:
     """Length of the union of ``intervals`` and of its part before ``until`` (seconds in, ms out)."""
     total = before = 0.0
@@ -143,30 +176,55 @@ class GradSync:
         self.buckets: list[_Bucket] = []
         self._of: dict[int, _Bucket] = {}
         self._armed: set[int] = set()
-        seen: set[int] = set()
         self.lanes: list[Lane] = []
-        for s, params in enumerate(stage_params):
-            mine = [p for p in params if p.requires_grad and id(p) not in seen]
-            seen.update(id(p) for p in mine)
-            for ps in _pack(mine, bucket_bytes, FIRST_BUCKET_BYTES):
-                flat = torch.zeros(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device)
-                b = _Bucket(s, ps, flat)
-                self.buckets.append(b)
-                for p in ps:
-                    self._of[id(p)] = b
-            dev = mine[0].device if mine else torch.device("cpu")
-            self.lanes.append(new_lane(dev, f"gradsync{s}"))
-        self._hooks = [p.register_post_accumulate_grad_hook(self._accumulated) for b in self.buckets for p in b.params]
+        self._hooks: list[Any] = []
         self.after: dict[int, list[Lane]] = {}  # per stage: other lanes its gradients are accumulated on
         self._waited: set[int] = set()  # buckets (by position) this step already waited for
-        # The step's local batch size, summed over the group on each device that has buckets.
-        self._counts = {b.flat.device: torch.zeros(1, dtype=torch.float64, device=b.flat.device) for b in self.buckets}
+        # Per device with buckets: the step's local batch size, summed over the group, and the layout stamp.
+        self._counts: dict[torch.device, torch.Tensor] = {}
+        self._stamps: dict[torch.device, torch.Tensor] = {}
+        self.refresh(stage_params)
         self._local = 0
         self._count_work: dict[torch.device, Any] = {}
         self._weights: dict[int, Any] = {}  # per stage: the factor of this step (None: 1)
         self.last = SyncStats()
         self._wait_started = 0.0
         self._wait_events: dict[torch.device, Any] = {}
+
+    def refresh(self, stage_params: Sequence[Sequence[nn.Parameter]]) -> None:
+        """Pack the buckets from what trains now: the parameters of each stage that require grad.
+
+        Called at build and whenever the model's trainable set or a parameter's
+        dtype or shape changed since the last step (a layer frozen or unfrozen,
+        ``model.double()``), so that exactly the parameters that train are
+        averaged and a frozen one keeps ``.grad`` None. Every rank must make the
+        same change before the same step; :meth:`begin` sends a stamp of this
+        layout with the batch count, and a rank whose layout differs raises.
+        """
+        for h in self._hooks:
+            h.remove()
+        self.buckets, self._of = [], {}
+        seen: set[int] = set()
+        for s, params in enumerate(stage_params):
+            mine = [p for p in params if p.requires_grad and id(p) not in seen]
+            seen.update(id(p) for p in mine)
+            for ps in _pack(mine, self.bucket_bytes, FIRST_BUCKET_BYTES):
+                flat = torch.zeros(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device)
+                b = _Bucket(s, ps, flat)
+                self.buckets.append(b)
+                for p in ps:
+                    self._of[id(p)] = b
+            dev = mine[0].device if mine else self.lanes[s].device if s < len(self.lanes) else torch.device("cpu")
+            if s >= len(self.lanes):
+                self.lanes.append(new_lane(dev, f"gradsync{s}"))
+            elif self.lanes[s].device != canonical_device(dev):  # a stage that had nothing to average before
+                self.lanes[s] = new_lane(dev, f"gradsync{s}")
+        self._hooks = [p.register_post_accumulate_grad_hook(self._accumulated) for b in self.buckets for p in b.params]
+        stamp = _layout_stamp(stage_params)
+        self._counts, self._stamps = {}, {}
+        for dev in dict.fromkeys(b.flat.device for b in self.buckets):
+            self._counts[dev] = torch.zeros(len(stamp), dtype=torch.float64, device=dev)
+            self._stamps[dev] = torch.tensor(stamp, dtype=torch.float64).to(dev)
 
     # -- per step -------------------------------------------------------------------------------
     def attach(self) -> None:
@@ -194,7 +252,8 @@ class GradSync:
             raise ValueError(f"the local batch size must be a positive int, got {local_batch!r}")
         self._local = local_batch
         for dev, count in self._counts.items():
-            count.fill_(local_batch)  # on the current stream: no host sync
+            count.copy_(self._stamps[dev])  # on the current stream: no host sync
+            count[0].fill_(local_batch)
             try:
                 self._count_work[dev] = dist.all_reduce(count, group=self.group, async_op=True)
             except RuntimeError as e:
@@ -215,7 +274,10 @@ class GradSync:
                 work.wait(self.timeout)
             except RuntimeError as e:
                 raise DistributedError(self._failure("waiting for", e, _COUNT)) from e
-            factor = self._local * self.size / self._counts[dev].item()
+            total, *stamp = self._counts[dev].tolist()
+            if not _same_stamp(stamp, self.size):
+                raise ValueError(self._mismatch())
+            factor = self._local * self.size / total
             weight = None if factor == 1.0 else factor
         self._weights[stage] = weight
         return weight
@@ -369,6 +431,15 @@ class GradSync:
                 done = b.done[0] if b.done else self._wait_done
                 out.append((b.stage, nbytes, clock.ms(b.issued), clock.ms(done)))
         return out
+
+    def _mismatch(self) -> str:
+        trained = sum(len(b.params) for b in self.buckets)
+        return (
+            f"the data-parallel ranks do not train the same parameters at step {self.step} (this is rank "
+            f"{dist.get_rank()}, where {trained} parameter tensor(s) require grad): a layer was frozen, unfrozen "
+            f"or converted (requires_grad_, .double(), .to(dtype)) on some ranks only. Make the same change on every "
+            f"rank before the same step; this step was undone"
+        )
 
     def _failure(self, what: str, cause: BaseException, of: str = "gradient all-reduce") -> str:
         """The message of a failed collective ``of``, ``what`` (starting / waiting for) it."""

@@ -20,6 +20,9 @@ __all__ = ["sizes", "split", "gather", "shares"]
 def sizes(batch: int, microbatches: int) -> list[int]:
     """Sizes of the ``microbatches`` chunks a batch of ``batch`` samples is cut into."""
     positive_int("microbatches", microbatches)
+    if batch == 0:
+        raise ValueError("the batch is empty (0 samples): there is nothing to split into microbatches. Skip empty "
+                         "batches, or check what produced it")
     if batch < microbatches:
         raise ValueError(
             f"a batch of {batch} samples cannot be split into {microbatches} microbatches: "

@@ -106,6 +106,16 @@ class Transport:
                 raise self._fail(f"sending {what} to", peer, e) from e
         self.step += 1
 
+    def forget(self) -> None:
+        """Send and expect metadata afresh: the model changed (a layer frozen or unfrozen, a dtype changed).
+
+        What crosses a boundary (its dtype, whether a gradient comes back) follows
+        the parameters, not only the input. Every pipeline rank holds the whole
+        model and makes the same change, so all forget at the same step.
+        """
+        self._sent_meta.clear()
+        self._meta.clear()
+
     def reset(self) -> None:
         """Forget in-flight sends after a failed step (the step is being abandoned)."""
         self._pending = []

@@ -38,6 +38,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from ..device import canonical_device
 from .side import SideLanes
 from .stage import Stage
 from .stream import Lane, current_lane
@@ -45,13 +46,6 @@ from .stream import Lane, current_lane
 __all__ = ["SplitGradConv2d", "SplitGrads", "split_grads", "accumulate_grad"]
 
 _ATTR = "_pipedp_split"
-
-
-def _indexed(d: torch.device) -> torch.device:
-    """``d`` with its index (``cuda`` is the current CUDA device), as a tensor's ``.device`` reads."""
-    if d.type == "cuda" and d.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return d
 
 
 def accumulate_grad(p: torch.Tensor, g: torch.Tensor) -> None:
@@ -73,7 +67,8 @@ class SplitGrads:
         self.layers: list[nn.Module] = []
         # Empty leaves that require grad: they keep a layer's backward in the graph while its parameters stay
         # out of it (autograd would accumulate them, and call their hooks, itself). One per device, made here.
-        self.anchors = {_indexed(st.device): torch.empty(0, device=st.device, requires_grad=True) for st in stages}
+        self.anchors = {canonical_device(st.device): torch.empty(0, device=st.device, requires_grad=True)
+                        for st in stages}
 
     @property
     def count(self) -> int:
@@ -97,6 +92,11 @@ class SplitGrads:
 
     def __deepcopy__(self, memo: dict) -> "SplitGrads":
         return self
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        # Pickled (torch.save of the model) as no owner: the layer computes as plain nn.Conv2d, and the engine's
+        # lanes and gradient sync (streams, process groups) are never pickled.
+        return type(None), ()
 
 
 @dataclass

@@ -12,16 +12,7 @@ from torch import nn
 
 import pipedp
 
-from ..reference import clone, data, max_diff, plain_steps
-
-
-def _bn_model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-        nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10),
-    )
+from ..reference import bn_cnn, clone, data, max_diff, plain_steps
 
 
 class HalfThenFail(torch.optim.SGD):
@@ -76,7 +67,7 @@ def _engine(model: nn.Module, optimizer: torch.optim.Optimizer, **kw) -> pipedp.
 @pytest.mark.parametrize("batchnorm", ["microbatch", "batch"])
 def test_a_partial_optimizer_update_that_raises_is_rolled_back(batchnorm):
     """Item 3: parameters, momentum, added state, hyperparameters, BatchNorm statistics and grads all put back."""
-    model = _bn_model()
+    model = bn_cnn()
     opt = HalfThenFail(model.parameters(), lr=0.05, momentum=0.9)
     engine = _engine(model, opt, batchnorm=batchnorm)
     batches = data(n=8, steps=3)
@@ -114,7 +105,7 @@ def test_an_optimizer_failing_at_its_first_step_leaves_no_state_behind():
 
 def test_rollback_false_skips_the_copy_and_says_what_it_leaves():
     """The memory lever: with rollback=False a failing optimizer's partial update stays (documented)."""
-    model = _bn_model()
+    model = bn_cnn()
     opt = HalfThenFail(model.parameters(), lr=0.05, momentum=0.9)
     engine = _engine(model, opt, rollback=False)
     assert engine._runner_for(torch.zeros(2, 3, 16, 16)).before_update is None
@@ -130,7 +121,7 @@ def test_rollback_false_skips_the_copy_and_says_what_it_leaves():
 
 def test_adam_state_created_and_updated_in_place_is_rolled_back(monkeypatch):
     """Item 3 with torch's own Adam (foreach): its step counters and moments go back too."""
-    model = _bn_model()
+    model = bn_cnn()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     engine = _engine(model, opt)
     batches = data(n=8, steps=2)
