@@ -68,7 +68,8 @@ class Config:
 
 
 def parse_config(text: str) -> Config:
-    """A baseline name (``eager``, ``graph``, ``compile``, ``max-autotune``) or
+    """A baseline name (``eager``, ``graph``, ``compile``, ``max-autotune``, ``graph+compile``,
+    ``graph+max-autotune``) or
     ``pipedp[:S=auto|N,M=auto|N][,gpipe][,graph][,compile][,recompute][,branches][,split_grads]``
     (S and M default to auto)."""
     text = text.strip()
@@ -94,7 +95,7 @@ def parse_config(text: str) -> Config:
 
 DEFAULT = {
     "cpu": ["eager", "graph", "compile", "max-autotune", "pipedp", "pipedp:S=1,M=2", "pipedp:S=2,M=2"],
-    "cuda": ["eager", "graph", "compile", "max-autotune",
+    "cuda": ["eager", "graph", "compile", "max-autotune", "graph+compile",
              "pipedp:graph", "pipedp:graph,compile", "pipedp:graph,branches,split_grads",
              "pipedp:S=1,M=1,graph", "pipedp:S=2,M=2,graph",
              "pipedp:S=2,M=4,graph", "pipedp:S=1,M=4,graph,recompute"],

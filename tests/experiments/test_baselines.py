@@ -19,6 +19,8 @@ def test_numerics_and_skip_reasons():
     assert skip_reason("compile", CPU, compile_on_cpu=True) is None
     assert "CUDA" in skip_reason("graph", CPU) and "CUDA" in skip_reason("max-autotune", CPU, compile_on_cpu=True)
     assert skip_reason("graph", torch.device("cuda")) is None
+    for kind in ("graph+compile", "graph+max-autotune"):  # whole-step capture of a compiled model
+        assert "CUDA" in skip_reason(kind, CPU, compile_on_cpu=True) and skip_reason(kind, torch.device("cuda")) is None
     with pytest.raises(ValueError, match="unknown baseline 'fast'"):
         skip_reason("fast", CPU)
 
