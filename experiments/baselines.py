@@ -19,6 +19,11 @@ unmodified model, each in two numerics:
   compiled model is what a user who knows both tools builds by hand, and the
   strongest single-GPU baseline here (CUDA only).
 
+Besides these, :func:`accum_step` is the plain step with gradient
+accumulation over equal chunks of the batch (one update): what a user tries
+when activations crowd memory or the cache, and pipedp's one-stage plans
+without the pipeline.
+
 Numerics ``fp32`` is NCHW without autocast; ``bf16cl`` is bf16 autocast with
 the model and batches in channels-last memory format (what tensor cores
 prefer). Each step trains its own model and optimizer; compile time is the
@@ -34,10 +39,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipedp.pipeline import microbatch
 from pipedp.pipeline.graphed import capturing, fresh_cublas_workspaces
 
 __all__ = ["Step", "Numerics", "NUMERICS", "BASELINES", "numerics", "in_format", "prepare", "skip_reason",
-           "make_baseline", "plain_step", "graphed_step"]
+           "make_baseline", "plain_step", "accum_step", "graphed_step"]
 
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 BASELINES = ("eager", "graph", "compile", "max-autotune", "graph+compile", "graph+max-autotune")
@@ -110,6 +116,30 @@ def plain_step(model: nn.Module, opt: torch.optim.Optimizer, num: Numerics,
         loss.backward()
         opt.step()
         return loss.detach()
+
+    return step
+
+
+def accum_step(model: nn.Module, opt: torch.optim.Optimizer, num: Numerics, chunks: int) -> Step:
+    """The eager step over ``chunks`` equal parts of the batch, one update: gradient accumulation.
+
+    Each part's mean loss is weighted by its share of the batch, so the
+    gradient is the full batch's (exactly so without BatchNorm, whose
+    statistics are per part); the loss returned is the full batch's too.
+    """
+    if chunks < 1:
+        raise ValueError(f"chunks must be a positive int, got {chunks!r}")
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        xs, ys = microbatch.split(x, chunks), microbatch.split(y, chunks)
+        total = torch.zeros((), device=x.device)
+        for xc, yc, share in zip(xs, ys, microbatch.shares([c.shape[0] for c in xs])):
+            loss = _forward_loss(model, xc, yc, num) * share
+            loss.backward()
+            total += loss.detach()
+        opt.step()
+        return total
 
     return step
 

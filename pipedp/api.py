@@ -16,7 +16,7 @@ from .options import (
     RecomputeSpec, TrainingOptions,
 )
 from .partition.threads import ThreadsSpec
-from .planner import StagesSpec
+from .decide.cut import StagesSpec
 from .step import LossFn
 
 if TYPE_CHECKING:
@@ -44,6 +44,7 @@ def wrap(
     cuda_graph: bool = False,
     rollback: bool = True,
     threads: ThreadsSpec = None,
+    plan_budget_s: float = 30.0,
     pp: int = 1,
     mesh: DeviceMesh | None = None,
     dp_group: ProcessGroup | None = None,
@@ -55,8 +56,8 @@ def wrap(
     kernels: str = "auto",
     kernel_db: str | None = None,
     precision: str = "fp32",
-    channels_last: bool = False,
-    compile: bool = False,
+    channels_last: bool | str = "auto",
+    compile: bool | str = False,
     clip_grad_norm: float | None = None,
     recompute: RecomputeSpec = False,
     branches: bool = False,
@@ -66,7 +67,7 @@ def wrap(
     """Cut ``model`` into balanced stages and train it as a microbatch pipeline.
 
     The keywords are those of :class:`~pipedp.PipelineOptions` (microbatches
-    to threads), :class:`~pipedp.DataParallelOptions` (pp to timeout;
+    to plan_budget_s), :class:`~pipedp.DataParallelOptions` (pp to timeout;
     ``distributed`` is its ``enabled``), :class:`~pipedp.KernelOptions`
     (``kernels``, ``kernel_db``) and :class:`~pipedp.TrainingOptions`
     (precision to recompute), :class:`~pipedp.ConcurrencyOptions` (branches,
@@ -82,7 +83,7 @@ def wrap(
         pipeline=PipelineOptions(
             microbatches=microbatches, stages=stages, schedule=schedule, devices=devices, batchnorm=batchnorm,
             profile=profile, depth=depth, measure_steps=measure_steps, progress=progress, cuda_graph=cuda_graph,
-            rollback=rollback, threads=threads,
+            rollback=rollback, threads=threads, plan_budget_s=plan_budget_s,
         ),
         data_parallel=DataParallelOptions(
             enabled=distributed, pp=pp, mesh=mesh, dp_group=dp_group, pp_group=pp_group, bucket_mb=bucket_mb,

@@ -23,6 +23,7 @@ from torch.nn.parameter import is_lazy
 from .distributed import (
     DistributedError, Layout, all_reduce, barrier, broadcast_tensors, check_backend, missing_note, resolve_layout,
 )
+from .decide.rules import shared_settings
 from .options import DataParallelOptions, PipelineOptions, TrainingOptions
 from .pipeline.gradsync import GradSync
 from .pipeline.p2p import Transport
@@ -212,14 +213,10 @@ class Distributed:
             ) from e.__cause__
 
     def _settings(self, options: PipelineOptions, training: TrainingOptions | None) -> dict[str, Any]:
-        """The options every rank must share: they shape the cut, the messages, the gradient buckets and the
-        collectives of the update (loss scaling, clipping)."""
-        keys = ("microbatches", "stages", "schedule", "batchnorm", "depth")
+        """The options every rank must share (they shape the cut, the messages, the gradient buckets and the
+        collectives of the update), derived from the option fields, with the layout of the world."""
         training = training if training is not None else TrainingOptions()
-        steps = ("precision", "channels_last", "compile", "clip_grad_norm", "recompute")
-        return {"dp": self.layout.dp, "pp": self.pp, "bucket_bytes": self.options.bucket_bytes,
-                "reduce_dtype": self.options.reduce_dtype, **{k: getattr(options, k) for k in keys},
-                **{k: getattr(training, k) for k in steps}}
+        return {"dp": self.layout.dp, "pp": self.pp, **shared_settings(self.options, options, training)}
 
     def check_same_model(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                          options: PipelineOptions, training: TrainingOptions | None = None) -> None:

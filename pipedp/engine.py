@@ -13,7 +13,6 @@ import os
 import statistics
 import warnings
 import weakref
-from dataclasses import replace
 from typing import Any, Sequence
 
 import torch
@@ -21,10 +20,12 @@ from torch import nn
 
 from . import checkpoint
 from .atomic import require_folder
-from .build import Pipeline, build_pipeline, in_layout, sample_batch
+from .build import Pipeline, build_pipeline, sample_batch
 from .comm import communicator
 from .device import resolve_devices
+from .decide.rules import check_rules
 from .distributed import Layout
+from .lower import in_layout
 from .ops.swap import swap_depthwise
 from .optimizer import OptimizerSpec, check_optimizer, move_optimizer_state
 from .options import (
@@ -32,7 +33,6 @@ from .options import (
 )
 from .partition.blocks import check_one_input
 from .pipeline import microbatch
-from .pipeline.concurrency import check_concurrency
 from .pipeline.early_update import EarlyUpdate
 from .pipeline.executor import Executor, StepTimer
 from .pipeline.gradsync import SyncStats
@@ -93,18 +93,7 @@ class Engine:
         self.comm.same_start(model)  # rank 0's values everywhere, as DDP does
         self._watch = ModelWatch(model)  # what the model holds now, checked at every step
         self.concurrency_options = concurrency if concurrency is not None else ConcurrencyOptions()
-        check_concurrency(self.concurrency_options, topts, self.optimizer)
-        if opts.cuda_graph and topts.precision == "fp16":
-            raise ValueError(
-                "precision='fp16' with cuda_graph=True is not supported yet: its loss scaling decides on the host "
-                "whether to skip a step with inf/NaN gradients. Use precision='bf16' (no loss scaling) with "
-                "cuda_graph=True, or cuda_graph=False"
-            )
-        if opts.cuda_graph and (len(self.devices) != 1 or self.devices[0].type != "cuda"):
-            raise ValueError(
-                f"cuda_graph=True needs all stages on one CUDA device, got devices "
-                f"{[str(d) for d in self.devices]}: pass devices='cuda' or cuda_graph=False"
-            )
+        check_rules(opts, topts, self.concurrency_options, self.optimizer, self.devices)
         self.scaler = LossScaler() if topts.precision == "fp16" else None  # fp16 loss scaling
         self.steps = 0
         self._pipe: Pipeline | None = None
@@ -177,13 +166,13 @@ class Engine:
         if self._runner is None:
             pipe = self._pipe if self._pipe is not None else self._build(x)
             grads = GradientStep.of(pipe.executor.stages, self.comm, self.scaler, self.training_options.clip_grad_norm)
-            opts = replace(self.options, microbatches=pipe.plan.microbatches)  # "auto": the plan's choice
             early = None
             if self.concurrency_options.early_update:
                 ex, side = pipe.executor, pipe.concurrency
                 early = EarlyUpdate(self.optimizer, ex.stages, ex.train_order,
                                     {st.index: side.lanes(st.index) for st in ex.stages} if side is not None else None)
-            self._runner = StepRunner(self.module, pipe, self.optimizer, self.loss_fn, self.comm, opts, grads, early)
+            self._runner = StepRunner(self.module, pipe, self.optimizer, self.loss_fn, self.comm, self.options, grads,
+                                      early)
         return self._runner
 
     # -- public API -----------------------------------------------------------------------------
@@ -241,7 +230,7 @@ class Engine:
         runner = self._runner_for(x)
         ex = runner.pipe.executor
         if ex.is_first:
-            x = in_layout(x.to(ex.stages[0].device, non_blocking=True), self.training_options)
+            x = in_layout(x.to(ex.stages[0].device, non_blocking=True), runner.pipe.channels_last)
         if ex.is_last:
             y = y.to(ex.stages[-1].device, non_blocking=True)
         trace_path, self._trace_path = self._trace_path, None
@@ -275,9 +264,10 @@ class Engine:
         if not isinstance(x, torch.Tensor) or x.dim() == 0:
             raise TypeError("engine(x) takes a batched tensor")
         self._follow_changes()
-        ex = (self._pipe if self._pipe is not None else self._build(x)).executor
+        pipe = self._pipe if self._pipe is not None else self._build(x)
+        ex = pipe.executor
         if ex.is_first:
-            x = in_layout(x.to(ex.stages[0].device, non_blocking=True), self.training_options)
+            x = in_layout(x.to(ex.stages[0].device, non_blocking=True), pipe.channels_last)
         if x.shape[0] < self.microbatches and len(ex.stages) == ex.n:  # too small to pipeline: stages in turn
             for st in ex.stages:
                 x = st(x.to(st.device))

@@ -9,7 +9,7 @@ group is made, before any model is touched.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Sequence, Union
 
 import torch
@@ -21,7 +21,7 @@ from .ops.swap import KERNEL_MODES
 from .partition.threads import ThreadsSpec, check_threads
 from .pipeline.gradsync import DEFAULT_BUCKET_BYTES
 from .pipeline.schedule import get_schedule
-from .planner import StagesSpec
+from .decide.cut import StagesSpec
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -65,6 +65,14 @@ def _flag(name: str, v: object) -> bool:
     return v
 
 
+def _lever(name: str, v: object) -> None:
+    if v != "auto" and not isinstance(v, bool):
+        raise ValueError(f"{name} must be True, False or 'auto' (stages='auto' times both), got {v!r}")
+
+
+_LOCAL = {"local": True}  # a field each rank may set for itself (not compared across ranks)
+
+
 @dataclass(frozen=True)
 class PipelineOptions:
     """How the model is cut and run.
@@ -96,20 +104,24 @@ class PipelineOptions:
     time against threads and refined on measured steps (with
     ``stages="auto"`` one stage on all cores is among the measured choices);
     a list gives each stage's count (summing to at most the cores).
+    ``plan_budget_s``: seconds ``stages="auto"`` may spend planning (profiling,
+    timed trials, compiles): trials are sized to fit it, and finalists and
+    compiles (``compile="auto"``) that would not fit are skipped, with a note.
     """
 
     microbatches: MicrobatchSpec = 4
     stages: StagesSpec = "auto"
     schedule: str = "1f1b"
-    devices: DeviceSpec = None
+    devices: DeviceSpec = field(default=None, metadata=_LOCAL)
     batchnorm: str = "microbatch"
-    profile: bool = True
+    profile: bool = field(default=True, metadata=_LOCAL)  # only the deciding rank profiles
     depth: int = 1
-    measure_steps: int = 3
-    progress: bool = True
+    measure_steps: int = field(default=3, metadata=_LOCAL)
+    progress: bool = field(default=True, metadata=_LOCAL)
     cuda_graph: bool = False
-    rollback: bool = True
+    rollback: bool = field(default=True, metadata=_LOCAL)
     threads: ThreadsSpec = None
+    plan_budget_s: float = field(default=30.0, metadata=_LOCAL)  # only the deciding rank plans
 
     def __post_init__(self) -> None:
         _stages(self.stages)
@@ -121,6 +133,9 @@ class PipelineOptions:
         non_negative_int("measure_steps", self.measure_steps)
         for name in ("profile", "progress", "cuda_graph", "rollback"):
             _flag(name, getattr(self, name))
+        if isinstance(self.plan_budget_s, bool) or not isinstance(self.plan_budget_s, (int, float)) \
+                or not self.plan_budget_s >= 0:
+            raise ValueError(f"plan_budget_s must be a number of seconds >= 0, got {self.plan_budget_s!r}")
 
 
 @dataclass(frozen=True)
@@ -138,14 +153,14 @@ class DataParallelOptions:
     on its own even when a process group exists.
     """
 
-    enabled: bool = True
+    enabled: bool = field(default=True, metadata=_LOCAL)
     pp: int = 1
-    mesh: DeviceMesh | None = None
-    dp_group: ProcessGroup | None = None
-    pp_group: ProcessGroup | None = None
+    mesh: DeviceMesh | None = field(default=None, metadata=_LOCAL)  # each rank holds its own handle
+    dp_group: ProcessGroup | None = field(default=None, metadata=_LOCAL)
+    pp_group: ProcessGroup | None = field(default=None, metadata=_LOCAL)
     bucket_mb: float = DEFAULT_BUCKET_MB
     reduce_dtype: torch.dtype | None = None
-    timeout: float = DEFAULT_TIMEOUT_S
+    timeout: float = field(default=DEFAULT_TIMEOUT_S, metadata=_LOCAL)
 
     def __post_init__(self) -> None:
         _flag("distributed", self.enabled)
@@ -203,9 +218,13 @@ class TrainingOptions:
     scales the loss and skips a step whose gradients hold inf/NaN, as
     ``torch.amp.GradScaler`` does (its overflow check reads the host once a step).
     ``channels_last``: model and batches in channels-last memory format (the
-    layout tensor cores and oneDNN prefer for convolutions). ``compile``:
-    each stage's blocks compiled with ``torch.compile`` (streams and events
-    stay outside; the first steps compile). ``clip_grad_norm``: clip the
+    layout tensor cores and oneDNN prefer for convolutions); ``"auto"`` (the
+    default) lets ``stages="auto"`` time both layouts and take the faster
+    (elsewhere the model keeps its layout). ``compile``: each stage's blocks
+    compiled with ``torch.compile`` (streams and events stay outside; the
+    first steps compile); ``"auto"`` lets ``stages="auto"`` time compiled
+    finalists within ``plan_budget_s`` (off elsewhere). Layout and compile
+    change results only within fp32 rounding; precision is never changed. ``clip_grad_norm``: clip the
     gradients to this total L2 norm over all parameters (pipeline ranks
     included), after unscaling, like ``torch.nn.utils.clip_grad_norm_``.
     ``recompute``: keep only each stage's input and recompute its activations
@@ -214,15 +233,15 @@ class TrainingOptions:
     """
 
     precision: str = "fp32"
-    channels_last: bool = False
-    compile: bool = False
+    channels_last: bool | Literal["auto"] = "auto"
+    compile: bool | Literal["auto"] = False
     clip_grad_norm: float | None = None
     recompute: RecomputeSpec = False
 
     def __post_init__(self) -> None:
         one_of("precision", self.precision, PRECISIONS)
         for name in ("channels_last", "compile"):
-            _flag(name, getattr(self, name))
+            _lever(name, getattr(self, name))
         if self.clip_grad_norm is not None:
             object.__setattr__(self, "clip_grad_norm", positive_number("clip_grad_norm", self.clip_grad_norm))
         object.__setattr__(self, "recompute", _recompute(self.recompute))

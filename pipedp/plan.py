@@ -51,10 +51,14 @@ class Plan:
     notes: tuple[str, ...] = field(default=())
     layout: str = ""  # data parallel x pipeline ranks, when distributed
     sync: str = ""  # the last measured gradient sync, when distributed
-    trials: tuple[tuple[str, float], ...] = ()  # stages="auto" on one GPU: (plan label, ms per trial step)
-    trial_baseline_ms: float | None = None  # the plain step's ms, timed beside the trials
-    trial_chosen: str = ""  # the chosen plan's label among the trials
+    trials: tuple[tuple[str, float], ...] = ()  # stages="auto": (configuration label, ms per trial step)
+    trial_baseline_ms: float | None = None  # the bar: the strongest alternative's ms, timed beside the trials
+    trial_chosen: str = ""  # the chosen configuration's label among the trials
     compiled: bool = False  # the stages run through torch.compile
+    channels_last: bool = False  # the model and batches run in channels-last memory format
+    bar: str = ""  # the strongest alternative the trials measured (its label)
+    planning_s: float = 0.0  # seconds the plan took: profiling, trials, compiles
+    hint: str = ""  # a measured precision hint (never applied)
 
     @property
     def counts(self) -> list[int]:
@@ -93,7 +97,7 @@ class Plan:
         head = (
             f"pipedp plan: {len(self.stages)} stage(s) x {self.microbatches} microbatch(es) of "
             f"{self.microbatch_size}, schedule={self.schedule}, batchnorm={self.batchnorm}, costs from {self.source}"
-            + (", compiled" if self.compiled else "")
+            + (", channels_last" if self.channels_last else "") + (", compiled" if self.compiled else "")
         )
         rows = [("stage", "device", "stream", "blocks", "pred ms", "meas ms", "act MiB", "param MiB")]
         for s in self.stages:
@@ -118,27 +122,32 @@ class Plan:
             lines.append(f"gradient sync: {self.sync}")
         lines.extend(self._trial_lines())
         lines.extend(f"note: {n}" for n in self.notes)
+        if self.hint:
+            lines.append(self.hint)
         return "\n".join(lines)
 
     @property
     def label(self) -> str:
         """``"SxM"`` (and ``" compiled"``, ``" concurrent"``): the name trials give this plan."""
-        return self.trial_chosen or f"{len(self.stages)}x{self.microbatches}{' compiled' if self.compiled else ''}"
+        levers = (" channels_last" if self.channels_last else "") + (" compiled" if self.compiled else "")
+        return self.trial_chosen or f"{len(self.stages)}x{self.microbatches}{levers}"
 
     def _trial_lines(self) -> list[str]:
-        """The timed trials of ``stages="auto"``: ms per step of each plan against the plain step (the bar)."""
+        """The timed trials of ``stages="auto"``: ms per step of each configuration against the bar."""
         if not self.trials:
             return []
         bar = self.trial_baseline_ms
         head = "trials (ms per forward+backward step"
-        head += f"; the bar is the plain step, {bar:.2f} ms):" if bar is not None else "):"
-        rows = [("plan", "ms", "x plain", "")]
+        if bar is not None:
+            head += f"; the bar is the strongest alternative, {self.bar or 'the plain step'}, {bar:.2f} ms"
+        head += f"; planning took {self.planning_s:.1f} s):" if self.planning_s else "):"
+        rows = [("configuration", "ms", "x bar", "")]
         matched = any(label == self.label for label, _ in self.trials)
-        if bar is not None:  # chosen when the plan fell back to it without a trial of its own (1x1 compiled)
-            rows.append(("plain step", f"{bar:.2f}", "1.00", "" if matched else "chosen"))
         for label, ms in self.trials:
             ratio = f"{bar / ms:.2f}" if bar is not None and ms > 0 else "-"
-            rows.append((label, f"{ms:.2f}", ratio, "chosen" if label == self.label else ""))
+            mark = "chosen" if label == self.label else ("bar" if label == self.bar else "")
+            rows.append((label, f"{ms:.2f}", ratio, mark))
+        if not matched:  # the bar's configuration, run by pipedp, without a trial of its own
+            rows.append((self.label, "-", "-", "chosen"))
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         return [head] + ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-

@@ -50,7 +50,7 @@ class StepRunner:
                  comm: Communicator, options: PipelineOptions, grads: GradientStep | None = None,
                  early: EarlyUpdate | None = None) -> None:
         self.model, self.pipe, self.optimizer, self.loss_fn = model, pipe, optimizer, loss_fn
-        self.comm, self.microbatches = comm, options.microbatches
+        self.comm, self.microbatches = comm, pipe.microbatches  # the plan's choice ("auto" resolved)
         self.grads = grads if grads is not None else GradientStep((), comm)
         self.graph = StepGraph(self.graph_body) if options.cuda_graph else None
         self.before_update = UpdateSnapshot(optimizer) if options.rollback else None

@@ -6,12 +6,14 @@ import pytest
 import torch
 from torch import nn
 
-from pipedp.build import Trials, build_pipeline, in_layout
+from pipedp.build import build_pipeline
 from pipedp.comm import Local, communicator
+from pipedp.decide.search import MIN_TRIAL_GAIN
+from pipedp.lower import in_layout
 from pipedp.options import DataParallelOptions, PipelineOptions, TrainingOptions
-from pipedp.planner import MIN_TRIAL_GAIN
 from pipedp.step import StepRunner
 from tests import multiproc
+from tests.decide.clock_tables import TableClock
 from tests.reference import clone, data, max_diff, plain_steps, sequential_cnn
 
 CPU = [torch.device("cpu")]
@@ -95,14 +97,13 @@ def test_stages_are_dressed_as_the_training_options_say():
 
 
 def test_batches_change_layout_only_when_they_must():
-    cl = TrainingOptions(channels_last=True)
     x = torch.randn(2, 3, 4, 4)
-    y = in_layout(x, cl)
+    y = in_layout(x, True)
     assert y.is_contiguous(memory_format=torch.channels_last) and torch.equal(x, y)
-    assert in_layout(y, cl) is y  # already channels_last: no copy
-    assert in_layout(x, TrainingOptions()) is x
+    assert in_layout(y, True) is y  # already channels_last: no copy
+    assert in_layout(x, False) is x
     flat = torch.randn(2, 3)
-    assert in_layout(flat, cl) is flat  # only 4-d batches have a channels-last layout
+    assert in_layout(flat, True) is flat  # only 4-d batches have a channels-last layout
 
 
 @pytest.mark.slow  # inductor compiles the stages on first use (about 20 s on 2 cores)
@@ -123,42 +124,50 @@ def test_compiled_stages_train_as_eager_stages():
     assert max_diff(model, ref) <= 1e-5  # inductor may order sums differently: fp32 tolerance
 
 
-def _trials(times, bar, seen=None):
-    """Trials whose clocks read a table (ms per plan label) instead of a GPU."""
-    def plan(c):
-        if seen is not None:
-            seen.append(c.label)
-        return times.get(c.label, 50.0)
-
-    return Trials(plan, lambda: bar)
+def _clock(times, default=50.0):
+    """Trials whose clocks read a table (ms per configuration label) instead of a device."""
+    return TableClock(times, default=default)
 
 
 def test_auto_builds_the_plan_the_trials_chose_and_prints_them():
-    seen = []
+    clock = _clock({"plain": 10.0, "2x4": 7.0, "3x4": 8.0})
     opts = PipelineOptions(microbatches="auto", stages="auto", profile=False)
     pipe = build_pipeline(sequential_cnn(), torch.randn(8, 3, 16, 16), opts, CPU, Local(),
-                          trials=_trials({"1x1": 10.0, "2x4": 7.0, "3x4": 8.0}, 10.0, seen))
-    assert seen[:3] == ["1x1", "1x2", "2x2"] and "4x8" in seen  # every M of 1, 2, 4, 8 the batch of 8 allows
-    assert len(pipe.executor.stages) == 2 and pipe.executor.microbatches == 4 and pipe.plan.microbatches == 4
-    assert pipe.plan.microbatch_size == 2 and pipe.plan.trial_baseline_ms == 10.0
+                          training=TrainingOptions(channels_last=False), measure=clock)
+    assert clock.seen[:2] == ["plain", "1x2"]  # the user's step first, then plans by microbatches
+    assert len(pipe.executor.stages) == 1  # a CPU runs stages one after another: only 1xM plans are timed
+    assert not any(s.startswith(("2x", "3x")) for s in clock.seen)
+    assert pipe.plan.trial_baseline_ms == 10.0 and pipe.plan.bar == "plain"
     text = str(pipe.plan)
-    assert "trials (ms per forward+backward step; the bar is the plain step, 10.00 ms):" in text
-    lines = text.splitlines()
-    assert [ln.split() for ln in lines if ln.strip().startswith("2x4")] == [["2x4", "7.00", "1.43", "chosen"]]
-    assert "stages=auto chose 2x4" in text
+    assert "the bar is the strongest alternative, plain, 10.00 ms" in text
+    assert opts.microbatches == "auto" and pipe.microbatches == pipe.plan.microbatches == 1
 
 
-def test_auto_falls_back_to_the_plain_step_which_trains_exactly_as_plain_pytorch():
+def test_the_plan_is_the_decision_and_the_options_keep_what_the_user_asked():
+    clock = _clock({"plain": 10.0, "plain channels_last": 9.0, "1x2 channels_last": 6.0})
+    opts = PipelineOptions(microbatches="auto", stages="auto", profile=False)
+    training = TrainingOptions()
+    model = sequential_cnn()
+    pipe = build_pipeline(model, torch.randn(8, 3, 16, 16), opts, CPU, Local(), training=training,
+                          measure=clock)
+    assert opts == PipelineOptions(microbatches="auto", stages="auto", profile=False)
+    assert training.channels_last == "auto" and training == TrainingOptions()
+    d = pipe.decision
+    assert (d.microbatches, d.channels_last, d.chosen) == (2, True, "1x2 channels_last")
+    assert pipe.executor.microbatches == 2 and pipe.plan.channels_last and pipe.plan.label == "1x2 channels_last"
+    conv = next(m for m in model.modules() if isinstance(m, nn.Conv2d))
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last)  # the model runs in the chosen layout
+
+
+def test_auto_falls_back_to_the_bar_which_trains_exactly_as_plain_pytorch():
     model = sequential_cnn()
     ref = clone(model)
     batches = data(n=8)
     opts = PipelineOptions(microbatches="auto", stages="auto", profile=False)
-    pipe = build_pipeline(model, batches[0][0], opts, CPU, Local(), trials=_trials({"2x2": 9.9}, 10.0))
-    assert pipe.plan.counts == [9] and pipe.plan.microbatches == 1
-    assert [ln.split() for ln in str(pipe.plan).splitlines() if ln.startswith("  1x1")] == [
-        ["1x1", "50.00", "0.20", "chosen"]]
+    pipe = build_pipeline(model, batches[0][0], opts, CPU, Local(), measure=_clock({"plain": 10.0, "1x2": 9.9}))
+    assert pipe.plan.counts == [9] and pipe.plan.microbatches == 1 and pipe.plan.label == "1x1"
     runner = StepRunner(model, pipe, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                        nn.CrossEntropyLoss(), Local(), replace(opts, microbatches=1))
+                        nn.CrossEntropyLoss(), Local(), opts)
     for i, (x, y) in enumerate(batches):
         runner.step(x, y, i)
     plain_steps(ref, batches, microbatches=1)
@@ -167,32 +176,33 @@ def test_auto_falls_back_to_the_plain_step_which_trains_exactly_as_plain_pytorch
 
 def test_microbatches_auto_without_trials_follows_the_stage_count():
     opts = PipelineOptions(microbatches="auto", stages="auto", profile=False)
-    pipe = build_pipeline(sequential_cnn(), torch.randn(8, 3, 16, 16), opts, CPU, Local())
+    pipe = build_pipeline(sequential_cnn(), torch.randn(8, 3, 16, 16), opts, CPU * 2, Local())  # no trials
     assert pipe.plan.counts == [9] and pipe.plan.microbatches == 1 and not pipe.plan.trials
     assert any("microbatches=auto: 1 for 1 stage(s)" in n for n in pipe.plan.notes)
 
 
 def _follow_rank0(rank, world):
-    # Rank 1's own trials would choose 1 stage; it must follow rank 0's choice of 3 stages x 4 microbatches.
-    times = {"3x4": 5.0} if rank == 0 else {"1x1": 1.0}
-    seen = []
+    # Rank 1's own trials would choose another plan; it must follow rank 0's choice of 1 stage x 4 microbatches.
+    times = {"plain": 10.0, "1x2": 9.0, "1x4": 5.0} if rank == 0 else {"plain": 1.0}
+    clock = _clock(times)
     opts = PipelineOptions(microbatches="auto", stages="auto", profile=False)
     torch.manual_seed(0)
     pipe = build_pipeline(sequential_cnn(), torch.randn(8, 3, 16, 16), opts, CPU,
-                          communicator(DataParallelOptions()), trials=_trials(times, 10.0, seen))
-    return pipe.plan.counts, pipe.plan.microbatches, len(seen)
+                          communicator(DataParallelOptions()), training=TrainingOptions(channels_last=False),
+                          measure=clock)
+    return pipe.plan.counts, pipe.plan.microbatches, len(clock.seen)
 
 
 def test_distributed_ranks_follow_the_first_ranks_trials():
     (c0, m0, n0), (c1, m1, n1) = multiproc.run(_follow_rank0, 2)
-    assert (len(c0), m0) == (3, 4) and (c1, m1) == (c0, m0)
+    assert (len(c0), m0) == (1, 4) and (c1, m1) == (c0, m0)
     assert n0 > 0 and n1 == 0  # only the deciding rank ran trials
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("graph", [False, True])
-def test_auto_on_one_gpu_times_real_trials_beside_the_plain_step(graph):
+def test_auto_on_one_gpu_times_real_trials_beside_the_strongest_alternative(graph):
     cuda = [torch.device("cuda")]
     opts = PipelineOptions(microbatches="auto", stages="auto", cuda_graph=graph, progress=False)
     pipe = build_pipeline(sequential_cnn(), torch.randn(16, 3, 16, 16), opts, cuda, Local(),
@@ -200,61 +210,75 @@ def test_auto_on_one_gpu_times_real_trials_beside_the_plain_step(graph):
     plan = pipe.plan
     assert plan.trial_baseline_ms is not None and plan.trial_baseline_ms > 0
     labels = [label for label, _ in plan.trials]
-    assert labels[0] == "1x1" and "2x2" in labels and all(ms > 0 for _, ms in plan.trials)
+    assert labels[:2] == ["plain", "plain channels_last"] and all(ms > 0 for _, ms in plan.trials)
+    assert any(label.startswith("2x2") for label in labels)
     chosen = dict(plan.trials).get(plan.label)
-    # The decision rule on real clocks: a pipeline only when its trial beat the plain step by the margin.
-    assert plan.label == "1x1" or chosen <= plan.trial_baseline_ms * (1 - MIN_TRIAL_GAIN)
+    # The decision rule on real clocks: a plan only when its trial beat the bar by the margin.
+    assert plan.stages and (chosen is None or chosen <= plan.trial_baseline_ms * (1 - MIN_TRIAL_GAIN)
+                            or plan.microbatches == 1)
     assert "chosen" in str(plan)
 
 
-def test_auto_keeps_the_concurrency_pieces_only_where_trials_found_them_faster():
+def test_real_trials_on_a_cpu_time_both_layouts_and_leave_the_model_as_it_was():
+    model = sequential_cnn()
+    before = clone(model)
+    opts = PipelineOptions(microbatches="auto", stages="auto", profile=False, plan_budget_s=5.0)
+    pipe = build_pipeline(model, torch.randn(8, 3, 16, 16), opts, CPU, Local())
+    labels = [label for label, _ in pipe.plan.trials]
+    assert labels[:2] == ["plain", "plain channels_last"] and pipe.plan.planning_s > 0
+    assert pipe.plan.bar in labels and max_diff(model, before) == 0  # trials train nothing
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_on_a_cpu_the_concurrency_pieces_are_kept_as_asked_without_a_trial():
     from pipedp.models import resnet18
     from pipedp.options import ConcurrencyOptions
 
     opts = PipelineOptions(microbatches="auto", stages="auto", profile=False)
     side = ConcurrencyOptions(branches=True)
-    for concurrent_ms, kept in ((8.0, True), (9.9, False)):
-        seen = []
-        pipe = build_pipeline(resnet18(width=4), torch.randn(4, 3, 16, 16), opts, CPU, Local(),
-                              trials=_trials({"1x1": 10.0, "1x1 concurrent": concurrent_ms}, 10.0, seen),
-                              concurrency=side)
-        assert "1x1 concurrent" in seen and pipe.plan.counts == [sum(pipe.plan.counts)]
-        assert (pipe.concurrency is not None) is kept and pipe.plan.label == ("1x1 concurrent" if kept else "1x1")
+    clock = _clock({"plain": 10.0, "1x1 concurrent": 1.0})
+    pipe = build_pipeline(resnet18(width=4), torch.randn(4, 3, 16, 16), opts, CPU, Local(),
+                          training=TrainingOptions(channels_last=False), measure=clock, concurrency=side)
+    assert "1x1 concurrent" not in clock.seen  # a CPU runs the pieces in order: nothing to gain, nothing timed
+    assert pipe.concurrency is not None and pipe.decision.concurrent
 
 
-def test_a_concurrent_trial_times_the_pieces_and_puts_the_model_back(monkeypatch):
-    from pipedp import build
+def test_a_concurrent_trial_times_the_pieces_and_puts_the_model_back():
+    from pipedp.decide import Config
+    from pipedp.decide.clocks import DeviceClock
+    from pipedp.lower import Parts
     from pipedp.models import resnet18
     from pipedp.options import ConcurrencyOptions
     from pipedp.partition.blocks import blocks_of, check_chain
-    from pipedp.planner import Candidate
 
     model = resnet18(width=4)
     before = [type(m) for m in model.modules()]
     x = torch.randn(4, 3, 16, 16)
     blocks = blocks_of(model)
-    parts = build._Parts(blocks, check_chain(model, blocks, x))
-    cand = Candidate((len(blocks),), 2, concurrent=True)
-    installed = []
+    parts = Parts(blocks, check_chain(model, blocks, x))
+    clock = DeviceClock(model, parts, x, CPU, PipelineOptions(), Local(), TrainingOptions(),
+                        ConcurrencyOptions(branches=True, split_grads=True))
+    seen = []
+    real = clock._plan
 
-    def spy(executor, options):
-        installed.append(real(executor, options))
-        return installed[-1]
+    def spy(config):
+        run, undo = real(config)
+        seen.append([type(m) for m in model.modules()] != before)  # swapped while timed
+        return run, undo
 
-    real = build.install
-    monkeypatch.setattr(build, "install", spy)
-    ms = build._trial_ms(parts, cand, x, model, CPU, PipelineOptions(), Local(), TrainingOptions(),
-                         ConcurrencyOptions(branches=True, split_grads=True))
-    assert ms > 0 and [type(m) for m in model.modules()] == before
+    clock._plan = spy
+    c = Config((len(blocks),), 2, concurrent=True)
+    clock.warm(c)
+    ms = clock.measure(c, 2)
+    assert ms > 0 and seen == [True, True] and [type(m) for m in model.modules()] == before
     assert all(p.grad is None for p in model.parameters())
-    assert len(installed) == 1 and installed[0].branches is not None and installed[0].split is not None
 
 
 def test_auto_builds_a_compiled_finalist_when_it_wins_the_trials():
     opts = PipelineOptions(microbatches=2, stages="auto", profile=False)
+    clock = _clock({"plain compiled": 10.0, "1x2 compiled": 6.0})
     pipe = build_pipeline(sequential_cnn(), torch.randn(8, 3, 16, 16), opts, CPU, Local(),
-                          training=TrainingOptions(compile=True),
-                          trials=_trials({"1x2": 9.0, "2x2": 9.5, "2x2 compiled": 6.0, "1x2 compiled": 8.0}, 10.0))
+                          training=TrainingOptions(compile=True, channels_last=False), measure=clock)
     # torch.compile wraps lazily: building compiles nothing yet.
-    assert [type(st.body).__name__ for st in pipe.executor.stages] == ["OptimizedModule"] * 2
-    assert pipe.plan.compiled and pipe.plan.label == "2x2 compiled" and ", compiled" in str(pipe.plan).splitlines()[0]
+    assert [type(st.body).__name__ for st in pipe.executor.stages] == ["OptimizedModule"]
+    assert pipe.plan.compiled and pipe.plan.label == "1x2 compiled" and ", compiled" in str(pipe.plan).splitlines()[0]

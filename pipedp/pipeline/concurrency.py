@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from .branches import Branches, concurrent_branches
-from .early_update import check_early_update
 from .executor import Executor
 from .split_grad import SplitGrads, split_grads
 from .stream import Lane
@@ -25,7 +24,7 @@ if TYPE_CHECKING:
     from ..options import ConcurrencyOptions, TrainingOptions
     from .gradsync import GradSync
 
-__all__ = ["Concurrency", "install", "check_concurrency"]
+__all__ = ["Concurrency", "install"]
 
 
 @dataclass
@@ -88,12 +87,3 @@ def install(executor: Executor, options: ConcurrencyOptions) -> Concurrency:
     return done
 
 
-def check_concurrency(options: ConcurrencyOptions, training: TrainingOptions,
-                      optimizer: torch.optim.Optimizer | None) -> None:
-    """Refuse combinations that would not be exact or would not run: a clear error naming the fix."""
-    if training.compile and (options.branches or options.split_grads):
-        raise ValueError(
-            "branches=True / split_grads=True with compile=True: the swapped layers order streams by events, "
-            "which torch.compile does not trace. Use compile=False with them, or turn them off")
-    if options.early_update:
-        check_early_update(optimizer, clip=training.clip_grad_norm, precision=training.precision)

@@ -6,10 +6,12 @@ from torch import nn
 
 import pipedp
 from pipedp.models import resnet18
-from pipedp.options import ConcurrencyOptions, TrainingOptions
-from pipedp.pipeline.concurrency import check_concurrency
+from pipedp.decide.rules import check_rules
+from pipedp.options import ConcurrencyOptions, PipelineOptions, TrainingOptions
 from tests.pipeline.concurrency_reference import engine_for, plain_train, tiny_resnet
 from tests.reference import clone, data, max_diff, sequential_cnn
+
+CPU = [torch.device("cpu")]
 
 TOL = 1e-5
 ALL = dict(branches=True, split_grads=True, early_update=True)
@@ -89,8 +91,8 @@ def test_side_lanes_a_model_never_uses_are_forked_before_they_are_joined(monkeyp
 def test_compile_with_swapped_layers_is_refused_with_the_fix():
     for kw in (dict(branches=True), dict(split_grads=True)):
         with pytest.raises(ValueError, match="with compile=True: the swapped layers order streams by events"):
-            check_concurrency(ConcurrencyOptions(**kw), TrainingOptions(compile=True), None)
-    check_concurrency(ConcurrencyOptions(early_update=True), TrainingOptions(compile=True), None)  # fine
+            check_rules(PipelineOptions(), TrainingOptions(compile=True), ConcurrencyOptions(**kw), None, CPU)
+    check_rules(PipelineOptions(), TrainingOptions(compile=True), ConcurrencyOptions(early_update=True), None, CPU)
 
 
 @pytest.mark.cuda

@@ -1,37 +1,31 @@
-"""From block costs to a plan: how many stages, where to cut, which device each gets.
+"""From block costs to a cut: how many stages, where to cut, which device each gets.
 
 Predicted step time comes from simulating the schedule with each stage's
 forward and backward time. Stages on separate devices overlap freely; stages
 on one device without streams (the CPU) run one after another, so cutting them
-only adds overhead. Stages that share one CUDA device overlap only as far as
-their kernels leave the GPU idle, which solo timings cannot tell, so for them
-``stages="auto"`` measures short trial steps instead of trusting a prediction:
-candidate plans (one stage; S stages x M microbatches; compiled or with the
-side-stream concurrency pieces, where the user asked for them) and,
-beside them, the plain step of the unmodified model. A plan is chosen only if
-it beats that plain step by a margin larger than trial noise; otherwise the
-one-stage, one-microbatch plan (the plain step itself) is, where the caller
-lets the planner choose the microbatches. The decision (:func:`choose_by_trials`)
-takes the timings as callbacks, so it is tested without a GPU.
+only adds overhead. Where no timed trials run (a given stage count, several
+devices, pipeline ranks) these predictions choose; on one device
+:mod:`pipedp.decide.search` times the choices instead, since stages that share
+a device overlap only as far as their kernels leave it idle, which solo
+timings cannot tell.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 from typing import Callable, Sequence, Union
 
 import torch
 
-from .partition.balance import balance
-from .partition.profile import BlockProfile
-from .pipeline.schedule import Action, get_schedule
-from .pipeline.simulate import Simulation, simulate
-from .plan import Plan, StagePlan
+from ..partition.balance import balance
+from ..partition.profile import BlockProfile
+from ..pipeline.schedule import Action, get_schedule
+from ..pipeline.simulate import Simulation, simulate
+from ..plan import Plan, StagePlan
+from .decision import Decision
 
 __all__ = [
     "StagesSpec", "stage_devices", "stage_places", "stage_times", "action_durations", "resolve_counts",
-    "simulate_plan", "build_plan", "Candidate", "Decision", "trial_candidates", "choose_by_trials", "trials_apply",
-    "untimed_microbatches", "plan_label", "AUTO_MICROBATCHES", "MIN_TRIAL_GAIN",
+    "simulate_plan", "build_plan", "untimed_microbatches", "AUTO_MICROBATCHES", "MAX_TRIAL_STAGES",
 ]
 
 StagesSpec = Union[int, str, Sequence[int]]
@@ -41,8 +35,6 @@ LINK_BYTES_PER_S = 20e9  # nominal device-to-device bandwidth for transfer costs
 MAX_AUTO_STAGES = 8
 MAX_TRIAL_STAGES = 4
 AUTO_MICROBATCHES = (1, 2, 4, 8)  # the microbatch counts trials try when the caller leaves the choice to the planner
-MIN_TRIAL_GAIN = 0.02  # a plan must beat the plain step by this share in trials (more than their noise)
-COMPILE_FINALISTS = 2  # the fastest uncompiled candidates that are also timed compiled (compiling takes long)
 _MiB = float(1 << 20)
 
 
@@ -182,63 +174,6 @@ def _auto(
     return best[1], notes
 
 
-def trials_apply(stages: StagesSpec, devices: Sequence[torch.device], ranks: int = 1) -> bool:
-    """Does ``stages`` get decided by timed trials? ``"auto"`` with all stages on one CUDA device, one rank."""
-    return stages == "auto" and ranks == 1 and len(devices) == 1 and devices[0].type == "cuda"
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """A plan a trial can time: the cut (blocks per stage), the microbatches, compiled stages or not."""
-
-    counts: tuple[int, ...]
-    microbatches: int
-    compiled: bool = False
-    concurrent: bool = False  # with the user's concurrency pieces (shortcut branches, split weight gradients)
-
-    @property
-    def label(self) -> str:
-        return plan_label(len(self.counts), self.microbatches, self.compiled, self.concurrent)
-
-    @property
-    def plain(self) -> bool:
-        """One stage, one microbatch: the user's own step, run by the engine."""
-        return len(self.counts) == 1 and self.microbatches == 1
-
-
-def plan_label(stages: int, microbatches: int, compiled: bool = False, concurrent: bool = False) -> str:
-    """``"SxM"`` (``" compiled"``, ``" concurrent"`` added): how trials and the plan table name a plan."""
-    return f"{stages}x{microbatches}{' compiled' if compiled else ''}{' concurrent' if concurrent else ''}"
-
-
-@dataclass(frozen=True)
-class Decision:
-    """The plan the planner chose, every trial's ms per step, and the plain step's ms measured beside them."""
-
-    counts: tuple[int, ...]
-    microbatches: int
-    compiled: bool
-    notes: tuple[str, ...] = ()
-    trials: tuple[tuple[str, float], ...] = ()
-    baseline_ms: float | None = None
-    concurrent: bool = True  # the user's concurrency pieces apply (False: trials found the plan faster without)
-    chosen: str = ""  # the chosen plan's trial label ("" without trials)
-    threads: tuple[int, ...] | None = None  # CPU stages run concurrently with these intra-op counts (None: in order)
-
-
-def trial_candidates(costs: Sequence[float], microbatch_choices: Sequence[int], batch: int,
-                     max_stages: int = MAX_TRIAL_STAGES) -> list[Candidate]:
-    """The uncompiled plans worth a trial: for each microbatch count the batch allows, 1..S balanced stages.
-
-    More stages than microbatches never fill the pipeline (only adds hand-offs),
-    so S stops at M. Ordered by M, then S: on equal times the simpler plan wins.
-    """
-    ms = sorted({int(m) for m in microbatch_choices if 1 <= int(m) <= batch})
-    if not ms:
-        raise ValueError(f"no microbatch count in {list(microbatch_choices)} fits a batch of {batch}")
-    return [Candidate(tuple(balance(costs, k)), m) for m in ms for k in range(1, min(len(costs), max_stages, m) + 1)]
-
-
 def untimed_microbatches(stages: int, batch: int) -> int:
     """``microbatches="auto"`` where no trials run (CPU, several devices, pipeline ranks).
 
@@ -251,70 +186,11 @@ def untimed_microbatches(stages: int, batch: int) -> int:
     return max(m for m in AUTO_MICROBATCHES if m <= max(batch, 1))
 
 
-def choose_by_trials(
-    candidates: Sequence[Candidate],
-    measure: Callable[[Candidate], float],
-    *,
-    baseline: Callable[[], float] | None = None,
-    compile: bool = False,
-    concurrent: bool = False,
-    where: str = "",
-) -> Decision:
-    """Time every candidate (and the fastest few compiled, or concurrent, where asked) and choose one.
-
-    ``compile``: the :data:`COMPILE_FINALISTS` fastest candidates are timed
-    compiled too; ``concurrent``: they are timed with the user's concurrency
-    pieces installed too (one stage with concurrency is such a finalist).
-
-    ``measure(candidate)`` and ``baseline()`` return ms per forward+backward
-    step of a short trial. ``baseline`` is the plain step: the unmodified model
-    on the whole batch in the user's numerics (precision, channels_last),
-    captured when the user asked for a CUDA graph and compiled when they asked
-    for ``compile``, i.e. what they would run without pipedp. It is timed before
-    and after the candidates and the faster time is the bar, so drift during the
-    trials cannot favour a plan. The fastest plan is chosen only if it beats the
-    bar by ``MIN_TRIAL_GAIN``; otherwise one stage x one microbatch (compiled as
-    the user asked), which is that plain step, is chosen whenever one microbatch
-    is among the ``candidates``: the choice is then never slower than the plain
-    step as measured. Without ``baseline`` the fastest plan is chosen.
-    """
-    if not candidates:
-        raise ValueError("stages=auto has no candidate plan to time")
-    first = baseline() if baseline is not None else None
-    timed = [(c, float(measure(c))) for c in candidates]
-    finalists = [c for c, _ in sorted(timed, key=lambda t: t[1])[:COMPILE_FINALISTS]]
-    for flag, asked in (("concurrent", concurrent), ("compiled", compile)):
-        if asked:
-            timed += [(c, float(measure(c))) for c in (replace(f, **{flag: True}) for f in finalists)]
-    bar = min(first, float(baseline())) if baseline is not None and first is not None else None
-    best, best_ms = min(timed, key=lambda t: t[1])
-    on = f"timed trials on {where or 'the device'}"
-    chosen = best
-    if bar is None:
-        notes = [f"stages=auto chose {best.label} by {on} ({best_ms:.2f} ms per step)"]
-    elif best_ms <= bar * (1 - MIN_TRIAL_GAIN):
-        notes = [f"stages=auto chose {best.label} by {on}: {best_ms:.2f} ms per step, {bar / best_ms:.2f}x the plain "
-                 f"step ({bar:.2f} ms)"]
-    else:
-        plain = next((c for c in candidates if c.plain), None)
-        if plain is not None:
-            chosen = replace(plain, compiled=compile)
-            notes = [f"stages=auto: no plan beat the plain step ({bar:.2f} ms) by {MIN_TRIAL_GAIN:.0%} in {on}: "
-                     f"chose 1 stage x 1 microbatch, the plain step itself"]
-        else:
-            notes = [f"stages=auto: no plan beat the plain step ({bar:.2f} ms) by {MIN_TRIAL_GAIN:.0%} in {on}; kept "
-                     f"the fastest, {best.label} ({best_ms:.2f} ms), because the microbatches were given: "
-                     f"microbatches='auto' lets the planner fall back to the plain step"]
-    return Decision(chosen.counts, chosen.microbatches, chosen.compiled, tuple(notes),
-                    tuple((c.label, ms) for c, ms in timed), bar, concurrent=chosen.concurrent, chosen=chosen.label)
-
-
 def build_plan(
     profiles: Sequence[BlockProfile],
-    counts: Sequence[int],
+    decision: Decision,
     devices: Sequence[torch.device],
     *,
-    microbatches: int,
     microbatch_size: int,
     schedule: str,
     batchnorm: str,
@@ -322,11 +198,9 @@ def build_plan(
     notes: Sequence[str] = (),
     ranks: int = 1,
     layout: str = "",
-    trials: Sequence[tuple[str, float]] = (),
-    baseline_ms: float | None = None,
-    compiled: bool = False,
-    chosen: str = "",
 ) -> Plan:
+    """The printable plan of ``decision``: stages with their blocks, devices and predicted costs."""
+    counts, microbatches = decision.counts, decision.microbatches
     sim = simulate_plan(profiles, counts, devices, microbatches, schedule, ranks)
     places = stage_places(len(counts), devices, ranks)
     stages = []
@@ -353,8 +227,12 @@ def build_plan(
         source=source,
         notes=tuple(notes),
         layout=layout,
-        trials=tuple(trials),
-        trial_baseline_ms=baseline_ms,
-        trial_chosen=chosen,
-        compiled=compiled,
+        trials=decision.trials,
+        trial_baseline_ms=decision.bar_ms,
+        trial_chosen=decision.chosen,
+        compiled=decision.compiled,
+        channels_last=decision.channels_last,
+        bar=decision.bar,
+        planning_s=decision.planning_s,
+        hint=decision.hint,
     )

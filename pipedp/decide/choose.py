@@ -1,0 +1,142 @@
+"""The one planning step: options, model and batch in; block profiles and one frozen decision out.
+
+Three ways to decide, by what the user left open:
+
+* concurrent CPU stages (``threads`` set): :mod:`pipedp.decide.cpu`;
+* ``stages="auto"`` on one device and one pipeline rank: timed trials
+  (:mod:`pipedp.decide.search`) of the user's strongest alternative (layouts,
+  compiled where allowed, graphed where asked) and pipedp's plans;
+* otherwise (a given cut, several devices, pipeline ranks): predictions from
+  the block profiles (:mod:`pipedp.decide.cut`); levers left ``"auto"`` keep
+  the model as it is (no layout change, no compile).
+
+Planning seconds (profiling included) are measured and kept in the decision.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from ..comm import Communicator
+from ..lower import Parts, measurable
+from ..options import ConcurrencyOptions, PipelineOptions, TrainingOptions
+from ..partition.blocks import module_mode
+from ..partition.balance import balance
+from ..partition.profile import BlockProfile, estimate_blocks, profile_blocks
+from ..partition.threads import concurrent_cpu
+from ..snapshot import preserved_state
+from .clocks import DeviceClock
+from .config import Config
+from .cpu import decide_cpu
+from .cut import AUTO_MICROBATCHES, MAX_TRIAL_STAGES, resolve_counts, untimed_microbatches
+from .decision import Decision
+from .search import Budget, Measure, Space, allowed, search
+
+__all__ = ["decide", "microbatch_choices", "timed", "COMPILE_S_PER_LEAF"]
+
+COMPILE_S_PER_LEAF = 0.5  # a first torch.compile (forward and backward) per leaf module, on a 2-core CPU
+
+
+def microbatch_choices(options: PipelineOptions, batch: int) -> list[int]:
+    """The microbatch counts the plan may have: the user's, or all of AUTO_MICROBATCHES that fit the batch."""
+    if options.microbatches == "auto":
+        return [m for m in AUTO_MICROBATCHES if m <= batch]
+    return [int(options.microbatches)]
+
+
+def timed(options: PipelineOptions, devices: Sequence[torch.device], pp: int) -> bool:
+    """Is the plan chosen by timed trials? ``stages="auto"`` on one device (CPU or CUDA), one pipeline rank."""
+    return options.stages == "auto" and pp == 1 and len(devices) == 1
+
+
+def _compile_estimate_s(model: nn.Module) -> float:
+    """Seconds a first compile of the model's step is expected to take, before one is measured."""
+    return COMPILE_S_PER_LEAF * sum(1 for m in model.modules() if next(m.children(), None) is None)
+
+
+def _hint_precision(training: TrainingOptions, device: torch.device) -> str | None:
+    """The precision worth timing for a hint: bf16 for an fp32 user where the device computes in it."""
+    if training.precision != "fp32":
+        return None
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else None
+    return "bf16" if device.type == "cpu" else None
+
+
+def _space(parts: Parts, profiles: Sequence[BlockProfile], model: nn.Module, device: torch.device,
+           choices: Sequence[int], training: TrainingOptions, concurrency: ConcurrencyOptions | None) -> Space:
+    costs = [p.cost_ms for p in profiles]
+    pieces = concurrency is not None and (concurrency.branches or concurrency.split_grads)
+    return Space(
+        cut=lambda s: tuple(balance(costs, s)) if len(costs) > 1 else (len(parts.blocks),),
+        blocks=len(parts.blocks),
+        # One CPU device runs stages one after another: more stages only add hand-offs.
+        stages=tuple(range(1, MAX_TRIAL_STAGES + 1)) if device.type == "cuda" and len(costs) > 1 else (1,),
+        microbatches=tuple(choices),
+        layouts=allowed(training.channels_last),
+        # The concurrency pieces swap layers that torch.compile does not trace: never compiled with them.
+        compile=(False,) if pieces and training.compile == "auto" else allowed(training.compile),
+        concurrent=pieces and device.type == "cuda",
+        hint=_hint_precision(training, device),
+        compile_estimate_s=_compile_estimate_s(model),
+    )
+
+
+def decide(parts: Parts, model: nn.Module, sample: torch.Tensor, batch: torch.Tensor,
+           devices: Sequence[torch.device], options: PipelineOptions, comm: Communicator,
+           training: TrainingOptions, concurrency: ConcurrencyOptions | None = None,
+           measure: Measure | None = None, now: Callable[[], float] = time.perf_counter,
+           ) -> tuple[list[BlockProfile], Decision]:
+    """Profile the blocks and choose everything (on the deciding rank; the others follow).
+
+    ``measure`` replaces the device clock of the timed trials (tests), and
+    ``now`` the clock of the budget and of the planning seconds.
+    """
+    budget = Budget(options.plan_budget_s, now)
+    choices = microbatch_choices(options, batch.shape[0])
+    pieces = concurrency is not None and (concurrency.branches or concurrency.split_grads)
+    with preserved_state(model, devices), module_mode(model, training=True):
+        blocks = measurable(parts.blocks)
+        if options.profile:
+            profiles = profile_blocks(blocks, sample, progress=options.progress, copy_input=parts.copy_input)
+        else:
+            profiles = estimate_blocks(blocks, sample)
+        if concurrent_cpu(options.threads, devices, comm.world):
+            channels_last = training.channels_last is True
+            profiles, decision = decide_cpu(parts, blocks, profiles, sample, batch, options, comm, training,
+                                            choices, channels_last, compiled=training.compile is True)
+        elif timed(options, devices, comm.pp):
+            space = _space(parts, profiles, model, devices[0], choices, training, concurrency)
+            clock = measure if measure is not None else DeviceClock(model, parts, batch, devices, options, comm,
+                                                                   training, concurrency)
+            try:
+                decision = search(space, clock, budget, where=str(devices[0]))
+            finally:
+                if isinstance(clock, DeviceClock):
+                    clock.close()
+            if pieces and not space.concurrent:  # not timed (a CPU runs them in order): as the user asked
+                decision = replace(decision, config=replace(decision.config, concurrent=True))
+        else:
+            decision = _predicted(profiles, options, devices, comm, training, choices, batch.shape[0])
+            if pieces:
+                decision = replace(decision, config=replace(decision.config, concurrent=True))
+    return list(profiles), replace(decision, planning_s=budget.spent())
+
+
+def _predicted(profiles: Sequence[BlockProfile], options: PipelineOptions, devices: Sequence[torch.device],
+               comm: Communicator, training: TrainingOptions, choices: Sequence[int], batch: int) -> Decision:
+    """The plan from the profiles alone (a given cut, several devices, pipeline ranks)."""
+    counts, notes = resolve_counts(profiles, options.stages, devices, max(choices), options.schedule, ranks=comm.pp)
+    m = choices[0]
+    if options.microbatches == "auto":
+        m = untimed_microbatches(len(counts), batch)
+        notes.append(f"microbatches=auto: {m} for {len(counts)} stage(s) (no timed trials on {devices[0]})")
+    if training.compile == "auto":
+        notes.append("compile=auto: off (only stages='auto' on one device times compiled plans)")
+    config = Config(tuple(counts), m, training.channels_last is True, training.compile is True)
+    return Decision(config, tuple(notes))

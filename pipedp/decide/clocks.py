@@ -1,0 +1,142 @@
+"""The real clock of the search: a configuration run on the device, timed in short windows.
+
+The user's own step (``own``) is the unmodified model on the whole batch,
+compiled as a whole when the configuration says so; a plan runs through the
+same executor the build makes. Both run in the configuration's memory
+layout (the model is converted in place between trials; the build puts it in
+the chosen layout afterwards), in the user's precision (the hint's trial in
+its own), and captured as a CUDA graph when the user asked for graphs. Runs
+are kept per configuration, so a configuration timed again runs warm and a
+compiled one is compiled once.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from ..comm import Communicator
+from ..lower import OneTensor, Parts, in_layout, make_executor, set_layout, surrogate_loss, sync_devices
+from ..options import ConcurrencyOptions, PipelineOptions, TrainingOptions
+from ..pipeline import microbatch
+from ..pipeline.concurrency import install
+from ..pipeline.graphed import captured_call
+from ..pipeline.stage import Stage
+from .config import Config
+
+__all__ = ["DeviceClock", "windows_ms"]
+
+WINDOW_STEPS = 3  # steps per timed window (fewer when a trial has fewer steps)
+_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
+
+
+def windows_ms(run: Callable[[], object], steps: int, devices: Sequence[torch.device]) -> float:
+    """Median ms per call of ``run`` over ``steps`` calls, in windows of up to WINDOW_STEPS calls."""
+    per = min(WINDOW_STEPS, steps)
+    times = []
+    for _ in range(max(1, steps // per)):
+        sync_devices(devices)
+        t0 = time.perf_counter()
+        for _ in range(per):
+            run()
+        sync_devices(devices)
+        times.append((time.perf_counter() - t0) * 1e3 / per)
+    return statistics.median(times)
+
+
+class DeviceClock:
+    """:class:`~pipedp.decide.search.Measure` on the device."""
+
+    def __init__(self, model: nn.Module, parts: Parts, batch: torch.Tensor, devices: Sequence[torch.device],
+                 options: PipelineOptions, comm: Communicator, training: TrainingOptions,
+                 concurrency: ConcurrencyOptions | None = None) -> None:
+        self.model, self.parts, self.batch, self.devices = model, parts, batch.to(devices[0]), list(devices)
+        self.options, self.comm, self.training, self.concurrency = options, comm, training, concurrency
+        self.runs: dict[Config, Callable[[], object]] = {}
+        self.stages: dict[Config, list[Stage]] = {}  # a plan's stages, compiled ones reused by the build
+        self.layout: bool | None = None  # the model's layout as the trials last set it (None: untouched)
+
+    def warm(self, config: Config) -> None:
+        """Make ``config``'s run and call it once (allocation, compilation, capture)."""
+        _, undo = self._ready(config)
+        self.model.zero_grad(set_to_none=True)
+        if undo is not None:
+            undo()
+
+    def measure(self, config: Config, steps: int) -> float:
+        """ms per step of ``config`` over ``steps`` steps (made ready first if it is not kept warm)."""
+        run, undo = self._ready(config)
+        try:
+            return windows_ms(run, steps, self.devices)
+        finally:
+            self.model.zero_grad(set_to_none=True)
+            if undo is not None:
+                undo()
+
+    def _ready(self, config: Config) -> tuple[Callable[[], object], Callable[[], None] | None]:
+        """``config``'s run, called once unless kept warm, and what takes its swapped modules off (or None).
+
+        Runs are kept warm unless they swap the model's modules (concurrency
+        pieces, installed per trial) or hold a captured graph's memory pool.
+        """
+        if self.layout != config.channels_last and (self.layout is not None or config.channels_last):
+            set_layout(self.model, config.channels_last)
+            self.layout = config.channels_last
+        run = self.runs.get(config)
+        if run is not None:
+            return run, None
+        run, undo = self._own(config) if config.own else self._plan(config)
+        if self.options.cuda_graph:
+            run = captured_call(run, self.devices[0], before=lambda: self.model.zero_grad(set_to_none=True))
+        try:
+            run()  # warm-up: allocation, compilation, capture
+        except BaseException:
+            if undo is not None:
+                undo()
+            raise
+        if undo is None and (config.own or not self.options.cuda_graph):
+            self.runs[config] = run
+        return run, undo
+
+    def close(self) -> None:
+        """Drop the warm runs (their graphs and buffers); the stages kept for the build stay."""
+        self.runs = {}
+
+    def _own(self, config: Config) -> tuple[Callable[[], object], None]:
+        """The user's own step: the unmodified model, forward and backward on the whole batch."""
+        whole: nn.Module = OneTensor(self.model)
+        if config.compiled:
+            whole = torch.compile(whole)  # type: ignore[assignment]
+        x = in_layout(self.batch, config.channels_last)
+        dtype = _AUTOCAST[config.precision] if config.precision is not None else self.training.autocast_dtype
+        kind = self.devices[0].type
+
+        def run() -> None:
+            with torch.autocast(kind, dtype=dtype, enabled=dtype is not None):
+                loss = surrogate_loss(whole(x), x)
+            loss.backward()
+
+        return run, None
+
+    def _plan(self, config: Config) -> tuple[Callable[[], object], Callable[[], None] | None]:
+        """A plan through the executor the build would make (no optimizer step: it is the same for all).
+
+        With the concurrency pieces they are installed for this trial only (they swap the model's modules).
+        """
+        ex, _ = make_executor(self.parts, list(config.counts), config.microbatches, self.devices, self.options,
+                              self.comm, training=self.training, compile=config.compiled, threads=config.threads)
+        xs = microbatch.split(in_layout(self.batch, config.channels_last), config.microbatches)
+        ys = [t.to(ex.stages[-1].device) for t in xs]
+        w = microbatch.shares([t.shape[0] for t in xs])
+        undo = None
+        if config.concurrent and self.concurrency is not None:
+            side = install(ex, self.concurrency)
+            side.connect(ex, None)
+            undo = side.undo
+        elif config.compiled:
+            self.stages[config] = list(ex.stages)
+        return (lambda: ex.train(xs, ys, w, surrogate_loss)), undo

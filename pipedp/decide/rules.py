@@ -1,0 +1,54 @@
+"""The rules across option groups, in one place, and the settings every rank must share.
+
+Each option group checks its own fields when made; what depends on two
+groups, the optimizer or the devices is checked here, once, at wrap, before
+any model is touched. The settings ranks must share are derived from the
+option fields: a field is shared unless its metadata marks it ``local``
+(where a rank's value may differ: its devices, its progress output).
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields, is_dataclass
+from typing import Any, Sequence
+
+import torch
+
+from ..options import ConcurrencyOptions, PipelineOptions, TrainingOptions
+from ..pipeline.early_update import check_early_update
+
+__all__ = ["check_rules", "shared_settings"]
+
+
+def check_rules(pipeline: PipelineOptions, training: TrainingOptions, concurrency: ConcurrencyOptions,
+                optimizer: torch.optim.Optimizer | None, devices: Sequence[torch.device]) -> None:
+    """Refuse combinations that would not be exact or would not run: a clear error naming the fix."""
+    if training.compile is True and (concurrency.branches or concurrency.split_grads):
+        raise ValueError(
+            "branches=True / split_grads=True with compile=True: the swapped layers order streams by events, "
+            "which torch.compile does not trace. Use compile=False with them, or turn them off")
+    if concurrency.early_update:
+        check_early_update(optimizer, clip=training.clip_grad_norm, precision=training.precision)
+    if pipeline.cuda_graph and training.precision == "fp16":
+        raise ValueError(
+            "precision='fp16' with cuda_graph=True is not supported yet: its loss scaling decides on the host "
+            "whether to skip a step with inf/NaN gradients. Use precision='bf16' (no loss scaling) with "
+            "cuda_graph=True, or cuda_graph=False"
+        )
+    if pipeline.cuda_graph and (len(devices) != 1 or devices[0].type != "cuda"):
+        raise ValueError(
+            f"cuda_graph=True needs all stages on one CUDA device, got devices "
+            f"{[str(d) for d in devices]}: pass devices='cuda' or cuda_graph=False"
+        )
+
+
+def shared_settings(*groups: Any) -> dict[str, Any]:
+    """Every field of the option groups that is not marked ``local``, keyed ``Group.field``."""
+    out: dict[str, Any] = {}
+    for g in groups:
+        if not is_dataclass(g):
+            raise TypeError(f"shared_settings takes option groups (dataclasses), got {type(g).__name__}")
+        for f in fields(g):
+            if not f.metadata.get("local", False):
+                out[f"{type(g).__name__}.{f.name}"] = getattr(g, f.name)
+    return out

@@ -1,0 +1,244 @@
+"""The timed search of ``stages="auto"``: the strongest alternative is the bar, a plan must beat it.
+
+A user who wants speed runs their own step in the faster memory layout,
+compiled where it pays: that, not plain eager, is the bar. The search times
+those alternatives first, then pipedp's plans (stages, microbatches) in the
+winning layout, then compiled and concurrent finalists, and takes a plan
+only if it beats the bar by ``margin`` (more than trial noise); otherwise the
+bar's own configuration is the plan. Where the user fixed the microbatches
+the plain step is not a choice, and the fastest plan with them is kept.
+
+Planning time is part of the cost, so the search has a budget: each trial's
+steps are sized from the first step's time so that the trials fit, finalists
+are timed only while time is left, and a compile (seconds to minutes) only
+when its estimate fits what is left, unless the user asked for one. The
+decision takes its clocks as arguments, so it is tested without a device.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Callable, Protocol
+
+from .config import Config
+from .decision import Decision
+
+__all__ = ["Space", "Measure", "Budget", "search", "allowed", "MIN_TRIAL_GAIN", "HINT_FACTOR", "MIN_STEPS", "MAX_STEPS"]
+
+MIN_TRIAL_GAIN = 0.02  # a plan must beat the bar by this share (more than trial noise)
+HINT_FACTOR = 1.10  # another precision is hinted at only when it ran at least this much faster
+COMPILE_FINALISTS = 2  # the fastest plans also timed compiled (or with the concurrency pieces)
+MIN_STEPS, MAX_STEPS = 2, 9  # timed steps per trial, after its warm-up call
+PRUNE_SLACK = 0.05  # a plan this much slower than the one with fewer microbatches ends that stage count's row
+RETIME_WITHIN = 0.10  # the fastest plan is timed again beside the bar only when this close to it
+TRIAL_SHARE = 0.8  # of the budget for the planned trials; the rest is slack for finalists and noise
+
+
+class Measure(Protocol):
+    """The clock of the trials: a configuration made ready, then timed.
+
+    ``warm(config)`` makes it and runs it once (allocates, compiles,
+    captures): the search reads that cost off its own clock before it
+    decides how many steps to time. ``measure(config, steps)`` gives ms per
+    forward+backward step over ``steps`` timed steps.
+    """
+
+    def warm(self, config: Config) -> None: ...
+
+    def measure(self, config: Config, steps: int) -> float: ...
+
+
+@dataclass(frozen=True)
+class Space:
+    """What the search may vary, resolved from the user's options.
+
+    ``cut(S)``: the balanced cut into S stages; ``stages``: stage counts to
+    try (1 where stages run one after another); ``microbatches``: the counts
+    allowed; ``layouts``: channels_last values; ``compile``: (False,), (True,)
+    or both for ``"auto"``; ``concurrent``: also time finalists with the
+    concurrency pieces; ``hint``: a precision to time for the hint, or None.
+    """
+
+    cut: Callable[[int], tuple[int, ...]]
+    blocks: int
+    stages: tuple[int, ...]
+    microbatches: tuple[int, ...]
+    layouts: tuple[bool, ...] = (False,)
+    compile: tuple[bool, ...] = (False,)
+    concurrent: bool = False
+    hint: str | None = None
+    compile_estimate_s: float = 0.0  # seconds a first compile is expected to take (before one is measured)
+
+
+class Budget:
+    """Seconds of planning left, on a clock tests may replace."""
+
+    def __init__(self, seconds: float, now: Callable[[], float] = time.perf_counter) -> None:
+        self.seconds, self.now = float(seconds), now
+        self.start = now()
+
+    def spent(self) -> float:
+        return self.now() - self.start
+
+    def left(self) -> float:
+        return self.seconds - self.spent()
+
+
+class _Trials:
+    """Every timing of the search, and what each configuration's first call cost."""
+
+    def __init__(self, measure: Measure, budget: Budget) -> None:
+        self.measure, self.budget = measure, budget
+        self.ms: dict[Config, list[float]] = {}
+        self.order: list[Config] = []
+        self.first_s: dict[Config, float] = {}
+        self.steps = MIN_STEPS
+
+    def time(self, c: Config, steps: int | None = None) -> float:
+        if c not in self.ms:
+            t0 = self.budget.now()
+            self.measure.warm(c)
+            self.first_s[c] = self.budget.now() - t0
+            self.ms[c], self.order = [], [*self.order, c]
+        # A configuration far slower than expected gets fewer steps (at least one), not the rest of the budget.
+        step_s = min(self.ms[c]) / 1e3 if self.ms[c] else self.first_s[c]
+        n = max(1, min(steps or self.steps, int(0.5 * max(self.budget.left(), 0.0) / max(step_s, 1e-9))))
+        ms = float(self.measure.measure(c, n))
+        self.ms[c].append(ms)
+        return ms
+
+    def best(self, c: Config) -> float:
+        return min(self.ms[c])
+
+    def cost_s(self, c: Config) -> float:
+        """Expected seconds of a first trial of ``c``: its warm-up and timed steps, at the plain step's rate."""
+        step = min(min(v) for v in self.ms.values()) / 1e3 if self.ms else 0.0
+        warm = max((s for k, s in self.first_s.items() if not k.compiled), default=0.0)
+        return warm + (self.steps + 1) * step
+
+
+def _steps_for(step_ms: float, warm_s: float, planned: int, budget: Budget) -> int:
+    """Timed steps per trial so that ``planned`` trials fit the budget (at least MIN_STEPS)."""
+    if step_ms <= 0:
+        return MAX_STEPS
+    per_trial = TRIAL_SHARE * budget.left() / max(planned, 1) - warm_s - step_ms / 1e3
+    return max(MIN_STEPS, min(MAX_STEPS, int(per_trial / (step_ms / 1e3))))
+
+
+def _plans(space: Space, channels_last: bool, compiled: bool) -> list[Config]:
+    """pipedp's plans in one layout: S stages x M microbatches (S <= M), ordered by M then S.
+
+    More stages than microbatches never fill the pipeline; on equal times the
+    simpler plan, earlier in the order, wins. One stage x one microbatch is
+    the plain step, which the bar covers.
+    """
+    out = []
+    for m in sorted(set(space.microbatches)):
+        for s in sorted(set(space.stages)):
+            if s <= min(m, space.blocks) and not (s == 1 and m == 1):
+                out.append(Config(space.cut(s), m, channels_last, compiled))
+    return out
+
+
+def search(space: Space, measure: Measure, budget: Budget, *, margin: float = MIN_TRIAL_GAIN,
+           where: str = "the device") -> Decision:
+    """Time the alternatives and plans of ``space`` within ``budget`` and choose one (see the module doc)."""
+    if not space.microbatches:
+        raise ValueError("stages=auto has no microbatch count to try")
+    trials, notes = _Trials(measure, budget), []
+    forced = space.compile == (True,)
+    whole = (space.blocks,)
+    own = [Config(whole, 1, cl, forced, own=True) for cl in space.layouts]
+    # 1. The user's own step in each layout: the first call also tells how long a step takes.
+    trials.time(own[0], MIN_STEPS)
+    plans_first = _plans(space, space.layouts[0], forced)
+    planned = len(own) + len(plans_first) + 2 + (space.hint is not None)
+    trials.steps = _steps_for(trials.best(own[0]), trials.first_s[own[0]], planned, budget)
+    for c in own[1:]:
+        trials.time(c)
+    bar_cfg = min(own, key=trials.best)
+    layout = bar_cfg.channels_last
+    # 2. pipedp's plans in the faster layout, while the budget lasts.
+    plans = _plans(space, layout, forced)
+    last: dict[int, float] = {1: trials.best(bar_cfg)}  # per stage count, its latest time (M ascending)
+    for c in plans:
+        s = len(c.counts)
+        if s in last and last[s] == float("inf"):
+            continue  # more microbatches stopped paying for this stage count
+        if budget.left() < trials.cost_s(c):
+            notes.append(f"stages=auto: the budget ran out before {c.label} and later plans "
+                         f"(plan_budget_s={budget.seconds:g})")
+            break
+        ms = trials.time(c)
+        # Microbatches trade per-call efficiency for overlap (and cache reuse on a CPU): once a count is
+        # slower than the one before it for the same stages, larger counts only lose more.
+        last[s] = float("inf") if s in last and ms > last[s] * (1 + PRUNE_SLACK) else ms
+    ranked = sorted((c for c in plans if c in trials.ms), key=trials.best)
+    # 3. Finalists: compiled (compile="auto") and with the concurrency pieces.
+    if space.compile == (False, True):
+        alt = replace(bar_cfg, compiled=True)
+        for c in [alt] + [replace(c, compiled=True) for c in ranked[:COMPILE_FINALISTS]]:
+            known = max((s for k, s in trials.first_s.items() if k.compiled), default=space.compile_estimate_s)
+            if budget.left() < known + trials.cost_s(c):
+                notes.append(f"compile=auto: {c.label} not tried: a compile takes about {known:.0f} s and "
+                             f"{max(budget.left(), 0):.0f} s of plan_budget_s={budget.seconds:g} were left")
+                break
+            trials.time(c)
+        compiled_alt = alt in trials.ms
+        if compiled_alt and trials.best(alt) < trials.best(bar_cfg):
+            bar_cfg = alt
+        ranked = sorted((c for c in trials.ms if not c.own), key=trials.best)
+    if space.concurrent:
+        base = [Config(space.cut(1), 1, layout, bar_cfg.compiled)] + ranked[:COMPILE_FINALISTS - 1]
+        for c in (replace(b, concurrent=True) for b in base):
+            if budget.left() < trials.cost_s(c):
+                notes.append(f"stages=auto: the budget ran out before {c.label}")
+                break
+            trials.time(c)
+        ranked = sorted((c for c in trials.ms if not c.own), key=trials.best)
+    # 4. Once more side by side, so that drift during the trials favours neither.
+    trials.time(bar_cfg)
+    if ranked and trials.best(ranked[0]) <= trials.best(bar_cfg) * (1 + RETIME_WITHIN):
+        trials.time(ranked[0])  # only a plan that could still win is timed again
+        ranked = sorted(ranked, key=trials.best)
+    bar_ms = min(trials.best(c) for c in trials.ms if c.own and c.precision is None)
+    bar_cfg = min((c for c in trials.ms if c.own and c.precision is None), key=trials.best)
+    on = f"timed trials on {where}"
+    best = ranked[0] if ranked else None
+    if best is not None and trials.best(best) <= bar_ms * (1 - margin):
+        chosen = best
+        notes.append(f"stages=auto chose {best.label} by {on}: {trials.best(best):.2f} ms per step, "
+                     f"{bar_ms / trials.best(best):.2f}x the strongest alternative, {bar_cfg.label} "
+                     f"({bar_ms:.2f} ms)")
+    elif 1 in space.microbatches or best is None:
+        chosen = bar_cfg.run_by_pipedp()
+        notes.append(f"stages=auto: no plan beat the strongest alternative, {bar_cfg.label} ({bar_ms:.2f} ms), "
+                     f"by {margin:.0%} in {on}: the plan is that step itself")
+    else:
+        chosen = best
+        notes.append(f"stages=auto: no plan beat the strongest alternative, {bar_cfg.label} ({bar_ms:.2f} ms), by "
+                     f"{margin:.0%} in {on}; kept the fastest with the given microbatches, {best.label} "
+                     f"({trials.best(best):.2f} ms): microbatches='auto' lets the plan be the plain step")
+    hint = _hint(space, trials, budget, Config(whole, 1, layout, forced, own=True))
+    return Decision(chosen, tuple(notes), tuple((c.label, trials.best(c)) for c in trials.order),
+                    bar=bar_cfg.label, bar_ms=bar_ms, hint=hint)
+
+
+def _hint(space: Space, trials: _Trials, budget: Budget, eager: Config) -> str:
+    """One line when ``space.hint``'s precision ran the plain step measurably faster (timed, never applied)."""
+    if space.hint is None or eager not in trials.ms:
+        return ""
+    other = replace(eager, precision=space.hint)
+    if budget.left() < trials.cost_s(other):
+        return ""
+    factor = trials.best(eager) / trials.time(other)
+    if factor < HINT_FACTOR:
+        return ""
+    return (f"hint: {space.hint} autocast ran the plain step {factor:.2f}x faster here; pass "
+            f"precision='{space.hint}' if the model trains well in it (the plan keeps your precision)")
+
+
+def allowed(value: bool | str) -> tuple[bool, ...]:
+    """A boolean lever's values to try: ``"auto"`` tries both, a bool only itself."""
+    return (False, True) if value == "auto" else (bool(value),)

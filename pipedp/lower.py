@@ -1,0 +1,135 @@
+"""Lowering a decision: the model's blocks into this rank's stages, lanes and executor.
+
+What the build step runs and what the planner's trials time are the same
+stages, made here: a trial times exactly what the chosen plan will run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from .comm import Communicator
+from .decide.cut import action_durations, stage_places, stage_times
+from .options import PipelineOptions, TrainingOptions
+from .partition.blocks import Block, Chain
+from .partition.profile import BlockProfile
+from .pipeline.cpu_lane import core_sets
+from .pipeline.executor import Executor, tensors_in
+from .pipeline.p2p import Transport
+from .pipeline.recompute import Recompute
+from .pipeline.schedule import get_schedule
+from .pipeline.stage import Stage
+from .pipeline.stream import new_lane
+
+__all__ = ["Parts", "OneTensor", "measurable", "make_executor", "surrogate_loss", "sync_devices", "in_layout",
+           "set_layout"]
+
+
+@dataclass(frozen=True)
+class Parts:
+    """The model cut into blocks, in order."""
+
+    blocks: list[Block]
+    copy_input: list[bool]  # per block: its forward changes its input in place
+
+
+def sync_devices(devices: Sequence[torch.device]) -> None:
+    """Wait for every CUDA device in ``devices`` (a no-op on CPUs)."""
+    for d in devices:
+        if d.type == "cuda":
+            torch.cuda.synchronize(d)
+
+
+def surrogate_loss(out: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
+    """The loss of profiling and trials: reaches every output element, costs next to nothing."""
+    return out.float().mean()
+
+
+def in_layout(x: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    """``x`` in the memory format the model runs in (itself when it already is)."""
+    return x.contiguous(memory_format=torch.channels_last) if channels_last and x.dim() == 4 else x
+
+
+def set_layout(model: nn.Module, channels_last: bool) -> None:
+    """Put the model's 4-d parameters and buffers in channels-last or plain contiguous format (in place)."""
+    model.to(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+
+
+class OneTensor(nn.Module):
+    """A whole model as one block that returns one tensor, so that profiling can time its backward.
+
+    On a single stage the model's output goes straight to ``loss_fn``, so it
+    may be a tuple or a dict; only profiling needs one tensor, and the flat
+    concatenation of the floating-point tensors in it reaches all of them.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.model(x)
+        if isinstance(out, torch.Tensor):
+            return out
+        flat = [t.reshape(-1) for t in tensors_in(out) if t.is_floating_point()]
+        if not flat:
+            raise ValueError(
+                f"{type(self.model).__name__}.forward returns {type(out).__name__} without a floating-point "
+                f"tensor in it: there is nothing for loss_fn to train. Return the model's output tensor(s)"
+            )
+        return torch.cat(flat)
+
+
+def measurable(blocks: Sequence[Block]) -> list[Block]:
+    """The blocks to profile: a lone block is the whole model, whose output only ``loss_fn`` sees."""
+    if len(blocks) == 1:
+        return [Block(blocks[0].name, OneTensor(blocks[0].module))]
+    return list(blocks)
+
+
+def _dress(stage: Stage, training: TrainingOptions, cuda_graph: bool, compile: bool) -> Stage:
+    """``stage`` as the training options run it: under autocast, compiled, recomputed."""
+    stage.autocast = training.autocast_dtype
+    stage.autocast_cache = not cuda_graph
+    body: Any = torch.compile(stage.chain) if compile else None
+    if training.recomputes(stage.index):
+        body = Recompute(body if body is not None else stage.chain, stage.chain)
+    stage.body = body
+    return stage
+
+
+def make_executor(
+    parts: Parts, counts: Sequence[int], microbatches: int, devices: Sequence[torch.device],
+    options: PipelineOptions, comm: Communicator, *, profiles: Sequence[BlockProfile] | None = None,
+    step: int = 0, training: TrainingOptions | None = None, compile: bool = False,
+    threads: Sequence[int] | None = None,
+) -> tuple[Executor, Transport | None]:
+    """This rank's stages of the cut ``counts`` on their devices and lanes, with the schedule to run them.
+
+    ``compile``: each stage's blocks through ``torch.compile``; ``threads``: CPU
+    stages run concurrently, each on a worker with that many threads on its own cores.
+    """
+    training = training if training is not None else TrainingOptions()
+    places = stage_places(len(counts), devices, comm.pp)
+    stages, start = [], 0
+    pins = core_sets(threads) if threads is not None else [None] * len(counts)
+    for s, k in enumerate(counts):
+        r, dev = places[s]
+        if r == comm.pp_rank:
+            chain = Chain(list(parts.blocks[start : start + k])).to(dev)
+            lane = new_lane(dev, f"stage{s}", threads[s] if threads is not None else None, pins[s])
+            stage = Stage(s, chain, dev, lane, copy_input=parts.copy_input[start])
+            stages.append(_dress(stage, training, options.cuda_graph, compile))
+        start += k
+    duration = action_durations(*stage_times(profiles, counts)) if profiles is not None else None
+    schedule = get_schedule(options.schedule)(len(counts), microbatches)
+    transport = comm.transport(devices[0], step)
+    stage_rank = comm.stage_ranks([r for r, _ in places])
+    if stage_rank is None:
+        return Executor(stages, schedule, duration=duration), None
+    return Executor(stages, schedule, duration=duration, stage_rank=stage_rank, rank=comm.rank,
+                    transport=transport), transport

@@ -1,0 +1,52 @@
+"""Clocks that read tables instead of a device: the search's trials with injected timings."""
+
+from __future__ import annotations
+
+
+class FakeTime:
+    """A clock that moves only when a trial says it took time."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class TableClock:
+    """ms per step from a table keyed by configuration label (``default`` for the rest).
+
+    A value may be a list: successive timings of that configuration (drift).
+    ``warm_s`` is what a first call costs (a compile costs ``compile_s``);
+    timed steps advance ``time`` by their ms.
+    """
+
+    def __init__(self, table: dict, default: float = 50.0, time: FakeTime | None = None, warm_s: float = 0.0,
+                 compile_s: float = 0.0) -> None:
+        self.table, self.default = dict(table), default
+        self.time = time if time is not None else FakeTime()
+        self.warm_s, self.compile_s = warm_s, compile_s
+        self.seen: list[str] = []  # labels in the order first warmed
+        self.calls: dict[str, int] = {}
+
+    def _ms(self, label: str) -> float:
+        v = self.table.get(label, self.default)
+        if isinstance(v, list):
+            k = self.calls.get(label, 0)
+            self.calls[label] = k + 1
+            return float(v[min(k, len(v) - 1)])
+        return float(v)
+
+    def warm(self, config) -> None:
+        self.seen.append(config.label)
+        self.time.t += self.compile_s if config.compiled else self.warm_s
+        self.time.t += self._peek(config.label) / 1e3
+
+    def _peek(self, label: str) -> float:
+        v = self.table.get(label, self.default)
+        return float(v[0] if isinstance(v, list) else v)
+
+    def measure(self, config, steps: int) -> float:
+        ms = self._ms(config.label)
+        self.time.t += ms * steps / 1e3
+        return ms

@@ -1,0 +1,79 @@
+import pytest
+import torch
+
+from pipedp.partition import BlockProfile
+from pipedp.decide import Config, Decision
+from pipedp.decide.cut import (
+    AUTO_MICROBATCHES, build_plan, resolve_counts, simulate_plan, stage_devices, stage_places, untimed_microbatches,
+)
+
+CPU = torch.device("cpu")
+
+
+def profiles(costs):
+    return [BlockProfile(f"b{i}", c / 3, 2 * c / 3, 1000, 4000, 100) for i, c in enumerate(costs)]
+
+
+def test_stage_devices_groups_stages_contiguously():
+    d = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert stage_devices(4, d) == [d[0], d[0], d[1], d[1]]
+    assert stage_devices(3, d) == [d[0], d[0], d[1]]
+    assert stage_devices(1, d) == [d[0]]
+
+
+def test_int_and_list_stages():
+    profs = profiles([1, 1, 1, 5, 1, 1])
+    assert resolve_counts(profs, 3, [CPU], 4, "1f1b")[0] == [3, 1, 2]
+    assert resolve_counts(profs, [2, 2, 2], [CPU], 4, "1f1b") == ([2, 2, 2], ["cut given by the user"])
+    with pytest.raises(ValueError, match="summing to the model's 6 blocks"):
+        resolve_counts(profs, [2, 2], [CPU], 4, "1f1b")
+    with pytest.raises(ValueError, match="stages must be an int, 'auto'"):
+        resolve_counts(profs, "many", [CPU], 4, "1f1b")
+
+
+def test_auto_on_a_serial_device_is_one_stage():
+    counts, notes = resolve_counts(profiles([1.0] * 8), "auto", [CPU], 4, "1f1b")
+    assert counts == [8] and "one after another" in notes[0]
+
+
+def test_untimed_microbatches_follow_the_stage_count():
+    assert untimed_microbatches(1, 128) == 1 and untimed_microbatches(3, 128) == AUTO_MICROBATCHES[-1]
+    assert untimed_microbatches(2, 3) == 2
+
+
+def test_auto_over_separate_devices_prefers_a_pipeline():
+    devs = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    counts, _ = resolve_counts(profiles([1.0] * 8), "auto", devs, 8, "1f1b")
+    assert len(counts) >= 2
+
+
+def test_serial_device_simulation_is_the_sum_of_the_work():
+    profs = profiles([3.0] * 4)
+    sim = simulate_plan(profs, [2, 2], [CPU], 4, "gpipe")
+    assert sim.makespan == pytest.approx(4 * 12.0 + 2 * 2 * 4 * 0.05)
+
+
+def test_build_plan_fills_stage_rows():
+    profs = profiles([1.0, 2.0, 3.0])
+    p = build_plan(profs, Decision(Config((2, 1), 4)), [CPU], microbatch_size=8, schedule="1f1b",
+                   batchnorm="batch", source="profile")
+    assert [s.blocks for s in p.stages] == [("b0", "b1"), ("b2",)]
+    assert p.stages[0].predicted_ms == pytest.approx(3.0) and p.stages[0].stream == "host"
+    # 1F1B: stage 0 of 2 keeps 2 microbatches of saved activations, the last stage 1.
+    assert p.stages[0].activation_mb == pytest.approx(2 * 2 * 4000 / 2**20)
+    assert p.stages[1].activation_mb == pytest.approx(1 * 4000 / 2**20)
+
+
+def test_pipeline_ranks_get_contiguous_stages_and_overlap():
+    assert stage_places(4, [CPU], ranks=2) == [(0, CPU), (0, CPU), (1, CPU), (1, CPU)]
+    profs = profiles([1, 1, 1, 1])
+    assert resolve_counts(profs, "auto", [CPU], 4, "1f1b", ranks=2)[0] == [2, 2]
+    # Stages on different ranks run concurrently even on CPUs: the step is shorter than serial.
+    serial = simulate_plan(profs, [2, 2], [CPU], 4, "1f1b").makespan
+    assert simulate_plan(profs, [2, 2], [CPU], 4, "1f1b", ranks=2).makespan < serial
+    plan = build_plan(profs, Decision(Config((2, 2), 4)), [CPU], microbatch_size=2, schedule="1f1b",
+                      batchnorm="microbatch", source="cost model", ranks=2, layout="2 ranks")
+    assert [s.device for s in plan.stages] == ["pp0:cpu", "pp1:cpu"] and "layout: 2 ranks" in str(plan)
+    for bad in (3, [1, 1, 2]):
+        with pytest.raises(ValueError, match="multiple of 2"):
+            resolve_counts(profs, bad, [CPU], 4, "1f1b", ranks=2)

@@ -1,0 +1,130 @@
+import random
+
+import pytest
+
+from pipedp.decide import Config
+from pipedp.decide.search import HINT_FACTOR, MIN_TRIAL_GAIN, Budget, Space, allowed, search
+
+from .clock_tables import FakeTime, TableClock
+
+
+def space(blocks=4, stages=(1,), microbatches=(1, 2, 4), layouts=(False, True), compile=(False,), **kw):
+    return Space(cut=lambda s: tuple([blocks // s] * (s - 1) + [blocks - (blocks // s) * (s - 1)]), blocks=blocks,
+                 stages=stages, microbatches=microbatches, layouts=layouts, compile=compile, **kw)
+
+
+def run(sp, table, budget_s=1e9, default=50.0, **kw):
+    clock = TableClock(table, default=default, **kw)
+    return search(sp, clock, Budget(budget_s, clock.time), where="cpu"), clock
+
+
+def test_the_bar_is_the_strongest_alternative_not_plain_eager():
+    table = {"plain": 10.0, "plain channels_last": 8.0, "1x2 channels_last": 7.9, "1x4 channels_last": 9.0}
+    d, clock = run(space(), table)
+    assert d.bar == "plain channels_last" and d.bar_ms == 8.0
+    # 7.9 ms beats plain eager by 1.27x but the bar by less than the margin: the bar's own step is the plan.
+    assert d.config == Config((4,), 1, channels_last=True) and not d.config.own
+    assert "no plan beat the strongest alternative, plain channels_last (8.00 ms)" in d.notes[-1]
+    # Plans are timed in the bar's layout only.
+    assert clock.seen[:2] == ["plain", "plain channels_last"] and "1x2" not in clock.seen
+
+
+def test_a_plan_that_beats_the_bar_by_the_margin_is_chosen():
+    table = {"plain": 10.0, "plain channels_last": 8.0, "1x2 channels_last": 6.0, "1x4 channels_last": 7.0}
+    d, _ = run(space(), table)
+    assert d.config == Config((4,), 2, channels_last=True) and d.chosen == "1x2 channels_last"
+    assert "1.33x the strongest alternative, plain channels_last (8.00 ms)" in d.notes[-1]
+    assert dict(d.trials)["1x2 channels_last"] == 6.0
+
+
+def test_drift_during_the_trials_favours_neither_side():
+    # The bar is timed again at the end; the faster of its timings is the bar.
+    table = {"plain": [10.0, 9.0], "1x2": 9.5, "1x4": 9.7}
+    d, _ = run(space(layouts=(False,)), table)
+    assert d.bar_ms == 9.0 and d.config == Config((4,), 1)
+
+
+def test_a_chosen_plan_is_never_slower_than_the_bar_over_many_random_tables():
+    rng = random.Random(0)
+    labels = ["plain", "plain channels_last"] + [f"{s}x{m}{c}" for m in (2, 4, 8) for s in (1, 2, 3)
+                                                 for c in ("", " channels_last")]
+    for _ in range(300):
+        table = {k: rng.uniform(5, 15) for k in labels}
+        d, _ = run(space(stages=(1, 2, 3), microbatches=(1, 2, 4, 8)), table)
+        bar = min(table["plain"], table["plain channels_last"])
+        assert d.bar_ms == pytest.approx(bar)
+        if d.config.plain:  # the bar's own configuration, run by pipedp
+            assert d.config.channels_last == (table["plain channels_last"] < table["plain"])
+        else:
+            assert table[d.chosen] <= bar * (1 - MIN_TRIAL_GAIN)
+
+
+def test_more_microbatches_stop_once_they_stop_paying():
+    table = {"plain": 10.0, "1x2": 9.0, "1x4": 9.8, "1x8": 1.0}
+    d, clock = run(space(layouts=(False,), microbatches=(1, 2, 4, 8)), table)
+    assert "1x8" not in clock.seen and d.chosen == "1x2"
+
+
+def test_given_microbatches_keep_the_fastest_plan_with_them_and_say_why():
+    table = {"plain": 10.0, "1x4": 12.0, "2x4": 11.0, "3x4": 13.0}
+    d, _ = run(space(stages=(1, 2, 3), microbatches=(4,), layouts=(False,)), table)
+    assert d.chosen == "2x4" and "kept the fastest with the given microbatches" in d.notes[-1]
+
+
+def test_the_budget_is_respected_and_the_plan_says_what_it_skipped():
+    # 0.5 s per step: 3 own steps, then every plan costs ~1.5 s more; a 6 s budget stops early.
+    table = {"plain": 500.0, "plain channels_last": 400.0}
+    d, clock = run(space(stages=(1, 2, 3, 4), microbatches=(1, 2, 4, 8)), table, budget_s=6.0, default=450.0)
+    assert any("the budget ran out before" in n and "plan_budget_s=6" in n for n in d.notes)
+    assert clock.time.t <= 6.0 + 1.5  # at most one trial past the budget (the bar's timing again)
+    # With the budget sized for it every plan is tried.
+    d, clock = run(space(stages=(1, 2, 3, 4), microbatches=(1, 2, 4, 8)), table, default=450.0)
+    assert not any("budget" in n for n in d.notes) and "4x8 channels_last" in clock.seen
+
+
+def test_a_slow_first_call_shortens_its_trial_instead_of_spending_the_budget():
+    clock = TableClock({"plain": 10.0, "1x2": 5000.0}, time=FakeTime())
+    search(space(layouts=(False,), microbatches=(1, 2)), clock, Budget(20.0, clock.time))
+    assert clock.time.t < 20.0 + 5.0 + 1.0  # warm-up, one timed step, the final re-timing of the bar
+
+
+def test_compile_auto_times_compiled_finalists_when_the_budget_covers_a_compile():
+    table = {"plain": 10.0, "plain channels_last": 9.0, "1x2 channels_last": 8.0, "1x4 channels_last": 8.5,
+             "plain channels_last compiled": 7.0, "1x2 channels_last compiled": 5.0,
+             "1x4 channels_last compiled": 6.0}
+    d, clock = run(space(compile=(False, True), compile_estimate_s=20.0), table, budget_s=100.0, compile_s=20.0)
+    assert clock.seen[-3:] == ["plain channels_last compiled", "1x2 channels_last compiled",
+                               "1x4 channels_last compiled"]
+    assert d.bar == "plain channels_last compiled" and d.chosen == "1x2 channels_last compiled"
+    assert d.config.compiled and d.config.channels_last
+    # A compile estimated past the budget is not tried, and the plan says so.
+    d, clock = run(space(compile=(False, True), compile_estimate_s=200.0), table, budget_s=100.0)
+    assert not any("compiled" in s for s in clock.seen) and not d.config.compiled
+    assert any("compile=auto: plain channels_last compiled not tried" in n for n in d.notes)
+
+
+def test_compile_asked_for_compiles_everything_whatever_the_budget():
+    d, clock = run(space(compile=(True,), layouts=(False,), compile_estimate_s=500.0),
+                   {"plain compiled": 10.0, "1x2 compiled": 8.0}, budget_s=100.0, compile_s=60.0)
+    assert all(s.endswith("compiled") for s in clock.seen) and d.chosen == "1x2 compiled"
+
+
+def test_the_precision_hint_needs_a_measured_factor_and_never_changes_the_plan():
+    table = {"plain": 10.0, "plain channels_last": 8.0, "plain bf16 channels_last": 8.0 / 1.8}
+    d, _ = run(space(hint="bf16"), table)
+    assert d.hint.startswith("hint: bf16 autocast ran the plain step 1.80x faster here")
+    assert d.config.precision is None and "precision='bf16'" in d.hint
+    table["plain bf16 channels_last"] = 8.0 / (HINT_FACTOR - 0.05)
+    assert run(space(hint="bf16"), table)[0].hint == ""
+    assert run(space(), table | {"plain bf16 channels_last": 1.0})[0].hint == ""  # not asked: not timed
+
+
+def test_concurrent_finalists_are_timed_with_the_pieces():
+    table = {"plain": 10.0, "1x2": 9.5, "2x2": 9.9, "1x1 concurrent": 8.0, "1x2 concurrent": 9.8}
+    d, clock = run(space(stages=(1, 2), microbatches=(1, 2), layouts=(False,), concurrent=True), table)
+    assert "1x1 concurrent" in clock.seen and "1x2 concurrent" in clock.seen
+    assert d.chosen == "1x1 concurrent" and d.config.concurrent
+
+
+def test_allowed_values_of_a_lever():
+    assert allowed("auto") == (False, True) and allowed(True) == (True,) and allowed(False) == (False,)
