@@ -19,7 +19,8 @@ model with SGD(lr=0.01, momentum=0.9) and cross entropy on one synthetic batch:
 * ``accum2``, ``accum4``: gradient accumulation over 2 or 4 equal chunks, in
   the eager layout that was faster in a first short round;
 * ``pipedp``: ``pipedp.wrap(..., stages="auto", microbatches="auto",
-  channels_last="auto", compile="auto")``, which plans on its first batch:
+  channels_last="auto", compile="auto")`` (with ``cuda_graph=True`` on a GPU,
+  as the graphed alternatives are), which plans on its first batch:
   wrap plus that first step is its planning time, reported apart and as a
   share of a 10-minute run. ``pipedp-threads`` (CPU, ``--threads``) adds
   ``threads="auto"``.
@@ -214,7 +215,7 @@ def bench_group(work: Workload, batch: int, precision: str, args: argparse.Names
                 optimizer=torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM),
                 loss_fn=nn.CrossEntropyLoss(), precision=precision, stages="auto", microbatches="auto",
                 channels_last="auto", compile="auto" if args.compile else False, plan_budget_s=args.plan_budget,
-                devices=x.device, progress=False)
+                devices=x.device, progress=False, cuda_graph=device.type == "cuda")
             if threads:
                 kw["threads"] = "auto"
             t0 = time.perf_counter()

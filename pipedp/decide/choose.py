@@ -35,6 +35,7 @@ from .config import Config
 from .cpu import decide_cpu
 from .cut import AUTO_MICROBATCHES, MAX_TRIAL_STAGES, resolve_counts, untimed_microbatches
 from .decision import Decision
+from .hazards import channels_last_hazard
 from .search import Budget, Measure, Space, allowed, search
 
 __all__ = ["decide", "microbatch_choices", "timed", "COMPILE_S_PER_LEAF"]
@@ -49,9 +50,15 @@ def microbatch_choices(options: PipelineOptions, batch: int) -> list[int]:
     return [int(options.microbatches)]
 
 
-def timed(options: PipelineOptions, devices: Sequence[torch.device], pp: int) -> bool:
-    """Is the plan chosen by timed trials? ``stages="auto"`` on one device (CPU or CUDA), one pipeline rank."""
-    return options.stages == "auto" and pp == 1 and len(devices) == 1
+def timed(options: PipelineOptions, devices: Sequence[torch.device], pp: int, world: int = 1) -> bool:
+    """Is the plan chosen by timed trials? ``stages="auto"`` on one device, one pipeline rank.
+
+    On a CPU only in one process: data-parallel ranks on one host share its
+    cores, and a trial the deciding rank times alone would not be the step
+    they run together. A GPU is each rank's own, so its trials hold there.
+    """
+    return (options.stages == "auto" and pp == 1 and len(devices) == 1
+            and (devices[0].type == "cuda" or world == 1))
 
 
 def _compile_estimate_s(model: nn.Module) -> float:
@@ -78,7 +85,8 @@ def _space(parts: Parts, profiles: Sequence[BlockProfile], model: nn.Module, dev
         # One CPU device runs stages one after another: more stages only add hand-offs.
         stages=tuple(range(1, MAX_TRIAL_STAGES + 1)) if device.type == "cuda" and len(costs) > 1 else (1,),
         microbatches=tuple(choices),
-        layouts=allowed(training.channels_last),
+        layouts=(False,) if training.channels_last == "auto" and channels_last_hazard(model, device)
+        else allowed(training.channels_last),
         # The concurrency pieces swap layers that torch.compile does not trace: never compiled with them.
         compile=(False,) if pieces and training.compile == "auto" else allowed(training.compile),
         concurrent=pieces and device.type == "cuda",
@@ -110,7 +118,7 @@ def decide(parts: Parts, model: nn.Module, sample: torch.Tensor, batch: torch.Te
             channels_last = training.channels_last is True
             profiles, decision = decide_cpu(parts, blocks, profiles, sample, batch, options, comm, training,
                                             choices, channels_last, compiled=training.compile is True)
-        elif timed(options, devices, comm.pp):
+        elif timed(options, devices, comm.pp, comm.world if measure is None else 1):  # an injected clock: any rank
             space = _space(parts, profiles, model, devices[0], choices, training, concurrency)
             clock = measure if measure is not None else DeviceClock(model, parts, batch, devices, options, comm,
                                                                    training, concurrency)
@@ -119,6 +127,9 @@ def decide(parts: Parts, model: nn.Module, sample: torch.Tensor, batch: torch.Te
             finally:
                 if isinstance(clock, DeviceClock):
                     clock.close()
+            hazard = channels_last_hazard(model, devices[0]) if training.channels_last == "auto" else None
+            if hazard is not None:
+                decision = replace(decision, notes=(*decision.notes, hazard))
             if pieces and not space.concurrent:  # not timed (a CPU runs them in order): as the user asked
                 decision = replace(decision, config=replace(decision.config, concurrent=True))
         else:

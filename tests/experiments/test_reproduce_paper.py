@@ -131,8 +131,15 @@ def test_main_returns_0_and_writes_its_outputs(tmp_path, capsys):
     assert main([*SMALL, "--out", str(out)]) == 0
     for name in ("results.json", "table.md", "speedup.png", "accuracy.png"):
         assert (out / name).stat().st_size > 0
-    assert f"wrote {out / 'results.json'}" in capsys.readouterr().out
-    assert json.loads((out / "results.json").read_text())["args"]["epochs"] == 1
+    printed = capsys.readouterr().out
+    assert f"wrote {out / 'results.json'}" in printed
+    res = json.loads((out / "results.json").read_text())
+    assert res["args"]["epochs"] == 1
+    # The plan against the strongest alternative its trials timed, not only against plain eager.
+    run = res["runs"][0]
+    assert run["bar"] in ("plain", "plain channels_last") and run["bar_ms"] > 0 and run["planning_s"] > 0
+    assert run["bar"] in [label for label, _ in run["trials"]]
+    assert f"the bar, the strongest alternative timed, is {run['bar']} at" in printed
 
 
 def test_help_and_version_exit_0_and_show_defaults(capsys):
