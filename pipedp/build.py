@@ -27,6 +27,7 @@ from torch import nn
 from .comm import Communicator
 from .decide.choose import decide, microbatch_choices
 from .decide.cut import build_plan, stage_devices
+from .decide.config import Config
 from .decide.decision import Decision
 from .decide.search import Measure
 from .device import canonical_device
@@ -41,6 +42,7 @@ from .pipeline.executor import Executor
 from .pipeline.gradsync import GradSync
 from .pipeline.p2p import Transport
 from .pipeline.recompute import Recompute
+from .pipeline.stage import Stage
 from .plan import Plan
 from .snapshot import BufferSnapshot
 
@@ -115,8 +117,10 @@ def build_pipeline(model: nn.Module, batch: torch.Tensor, options: PipelineOptio
         blocks = blocks_of(model, depth=options.depth)
         parts = Parts(blocks, check_chain(model, blocks, sample))
     # Every rank must run the same plan: the first rank decides, the others follow.
+    warm: dict[Config, list[Stage]] = {}  # compiled stages of the deciding rank's trials, to reuse
     profiles, decision = comm.decide(
-        lambda: decide(parts, model, sample, batch, devices, options, comm, training, concurrency, measure))
+        lambda: decide(parts, model, sample, batch, devices, options, comm, training, concurrency, measure,
+                       warm=warm))
     if training.channels_last == "auto":  # trials may have left the model in either layout
         set_layout(model, decision.channels_last)
     counts, notes = list(decision.counts), list(decision.notes)
@@ -137,7 +141,8 @@ def build_pipeline(model: nn.Module, batch: torch.Tensor, options: PipelineOptio
         notes = notes + [f"{per_rank} stage(s) per rank use {used} of {len(devices)} devices"]
     executor, transport = make_executor(parts, counts, decision.microbatches, devices, options, comm,
                                         profiles=profiles, step=step, training=training,
-                                        compile=decision.compiled, threads=decision.threads)
+                                        compile=decision.compiled, threads=decision.threads,
+                                        reuse=warm.get(decision.config))
     plan = build_plan(
         profiles, decision, devices, microbatch_size=sizes[0], schedule=options.schedule,
         batchnorm=options.batchnorm, source="profile" if options.profile else "cost model", notes=notes,

@@ -106,18 +106,19 @@ def make_executor(
     parts: Parts, counts: Sequence[int], microbatches: int, devices: Sequence[torch.device],
     options: PipelineOptions, comm: Communicator, *, profiles: Sequence[BlockProfile] | None = None,
     step: int = 0, training: TrainingOptions | None = None, compile: bool = False,
-    threads: Sequence[int] | None = None,
+    threads: Sequence[int] | None = None, reuse: Sequence[Stage] | None = None,
 ) -> tuple[Executor, Transport | None]:
     """This rank's stages of the cut ``counts`` on their devices and lanes, with the schedule to run them.
 
     ``compile``: each stage's blocks through ``torch.compile``; ``threads``: CPU
     stages run concurrently, each on a worker with that many threads on its own cores.
+    ``reuse``: the stages a trial made for the same cut (compiled ones keep their compiled code).
     """
     training = training if training is not None else TrainingOptions()
     places = stage_places(len(counts), devices, comm.pp)
-    stages, start = [], 0
+    stages, start = list(reuse or []), 0
     pins = core_sets(threads) if threads is not None else [None] * len(counts)
-    for s, k in enumerate(counts):
+    for s, k in enumerate(counts if reuse is None else []):
         r, dev = places[s]
         if r == comm.pp_rank:
             chain = Chain(list(parts.blocks[start : start + k])).to(dev)

@@ -52,8 +52,8 @@ def test_kernel_options():
 @pytest.mark.parametrize("kw, match", [
     (dict(precision="bf16-mixed"), r"precision must be one of \('fp32', 'bf16', 'fp16'\), got 'bf16-mixed'"),
     (dict(precision=16), "precision must be one of"),
-    (dict(channels_last=1), "channels_last must be True or False"),
-    (dict(compile="yes"), "compile must be True or False"),
+    (dict(channels_last=1), "channels_last must be True, False or 'auto'"),
+    (dict(compile="yes"), "compile must be True, False or 'auto'"),
     (dict(clip_grad_norm=0), "clip_grad_norm must be a positive number"),
     (dict(clip_grad_norm=float("inf")), "clip_grad_norm must be a positive number"),
     (dict(recompute=[0, 0]), "recompute must be True, False or a list of distinct stage indices"),

@@ -37,24 +37,23 @@ def test_with_measured_checks_length():
         plan().with_measured([1.0])
 
 
-def test_trials_are_a_table_against_the_plain_step():
+def test_trials_are_a_table_against_the_strongest_alternative():
     p = plan()
     assert "trials" not in str(p)
-    timed = replace(p, trials=(("1x1", 10.0), ("2x4", 8.0), ("2x4 compiled", 6.0)), trial_baseline_ms=9.0)
+    timed = replace(p, trials=(("plain", 10.0), ("plain channels_last", 9.0), ("2x4", 8.0), ("2x4 compiled", 6.0)),
+                    trial_baseline_ms=9.0, bar="plain channels_last", planning_s=12.5)
     lines = str(timed).splitlines()
-    start = lines.index("trials (ms per forward+backward step; the bar is the plain step, 9.00 ms):")
+    start = lines.index("trials (ms per forward+backward step; the bar is the strongest alternative, plain "
+                        "channels_last, 9.00 ms; planning took 12.5 s):")
     rows = [ln.split() for ln in lines[start + 1:start + 6]]
-    assert rows[0] == ["plan", "ms", "x", "plain"] and rows[1] == ["plain", "step", "9.00", "1.00"]
-    assert rows[2] == ["1x1", "10.00", "0.90"] and rows[3] == ["2x4", "8.00", "1.12", "chosen"]
-    assert rows[4] == ["2x4", "compiled", "6.00", "1.50"]
+    assert rows[0] == ["configuration", "ms", "x", "bar"] and rows[1] == ["plain", "10.00", "0.90"]
+    assert rows[2] == ["plain", "channels_last", "9.00", "1.00", "bar"]
+    assert rows[3] == ["2x4", "8.00", "1.12", "chosen"] and rows[4] == ["2x4", "compiled", "6.00", "1.50"]
     compiled = str(replace(timed, compiled=True)).splitlines()
     assert compiled[start + 5].split()[-1] == "chosen" and compiled[start + 4].split()[-1] == "1.12"
-    # Fallen back to one stage x one microbatch: its own trial row is the chosen one ...
-    one = replace(timed, stages=timed.stages[:1], microbatches=1)
-    assert [ln.split()[-1] for ln in str(one).splitlines() if ln.startswith(("  plain step", "  1x1"))] == [
-        "1.00", "chosen"]
-    # ... and a compiled plain step, never timed as a trial, is the bar itself.
-    compiled_one = replace(one, compiled=True)
-    assert [ln.split() for ln in str(compiled_one).splitlines() if ln.startswith("  plain step")] == [
-        ["plain", "step", "9.00", "1.00", "chosen"]]
+    # The bar's own configuration run by pipedp has no trial of its own: a row says it was chosen.
+    one = replace(timed, stages=timed.stages[:1], microbatches=1, channels_last=True)
+    assert [ln.split() for ln in str(one).splitlines() if ln.startswith("  1x1")] == [
+        ["1x1", "channels_last", "-", "-", "chosen"]]
+    assert ", channels_last" in str(one).splitlines()[0]
     assert replace(timed, trial_chosen="2x4 concurrent").label == "2x4 concurrent"

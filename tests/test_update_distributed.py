@@ -97,4 +97,4 @@ def _mismatched(rank: int, world: int) -> str:
 def test_ranks_with_another_precision_are_refused_at_wrap():
     # A rank without loss scaling would never join the others' overflow all-reduce: refuse, do not hang.
     for message in multiproc.run(_mismatched, 2):
-        assert "option 'precision' is 'fp16' on rank 0 but 'fp32' on rank 1" in message
+        assert "option 'TrainingOptions.precision' is 'fp16' on rank 0 but 'fp32' on rank 1" in message

@@ -29,6 +29,7 @@ from ..partition.blocks import module_mode
 from ..partition.balance import balance
 from ..partition.profile import BlockProfile, estimate_blocks, profile_blocks
 from ..partition.threads import concurrent_cpu
+from ..pipeline.stage import Stage
 from ..snapshot import preserved_state
 from .clocks import DeviceClock
 from .config import Config
@@ -66,9 +67,13 @@ def _compile_estimate_s(model: nn.Module) -> float:
     return COMPILE_S_PER_LEAF * sum(1 for m in model.modules() if next(m.children(), None) is None)
 
 
-def _hint_precision(training: TrainingOptions, device: torch.device) -> str | None:
-    """The precision worth timing for a hint: bf16 for an fp32 user where the device computes in it."""
-    if training.precision != "fp32":
+def _hint_precision(training: TrainingOptions, model: nn.Module, device: torch.device) -> str | None:
+    """The precision worth timing for a hint: bf16 for an fp32 user where the device computes in it.
+
+    Not where depthwise layers must run tuned kernels (``kernels="tvm"``): those are tuned per precision.
+    """
+    if training.precision != "fp32" or any(getattr(getattr(m, "kernels", None), "strict", False)
+                                           for m in model.modules()):
         return None
     if device.type == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported() else None
@@ -90,7 +95,7 @@ def _space(parts: Parts, profiles: Sequence[BlockProfile], model: nn.Module, dev
         # The concurrency pieces swap layers that torch.compile does not trace: never compiled with them.
         compile=(False,) if pieces and training.compile == "auto" else allowed(training.compile),
         concurrent=pieces and device.type == "cuda",
-        hint=_hint_precision(training, device),
+        hint=_hint_precision(training, model, device),
         compile_estimate_s=_compile_estimate_s(model),
     )
 
@@ -99,16 +104,19 @@ def decide(parts: Parts, model: nn.Module, sample: torch.Tensor, batch: torch.Te
            devices: Sequence[torch.device], options: PipelineOptions, comm: Communicator,
            training: TrainingOptions, concurrency: ConcurrencyOptions | None = None,
            measure: Measure | None = None, now: Callable[[], float] = time.perf_counter,
-           ) -> tuple[list[BlockProfile], Decision]:
+           warm: dict[Config, list[Stage]] | None = None) -> tuple[list[BlockProfile], Decision]:
     """Profile the blocks and choose everything (on the deciding rank; the others follow).
 
     ``measure`` replaces the device clock of the timed trials (tests), and
-    ``now`` the clock of the budget and of the planning seconds.
+    ``now`` the clock of the budget and of the planning seconds. ``warm``
+    receives the compiled stages the trials made, per configuration, so the
+    build of a compiled plan compiles nothing again.
     """
     budget = Budget(options.plan_budget_s, now)
     choices = microbatch_choices(options, batch.shape[0])
     pieces = concurrency is not None and (concurrency.branches or concurrency.split_grads)
-    with preserved_state(model, devices), module_mode(model, training=True):
+    # Trials run backward: also when the plan is made by an inference call under no_grad.
+    with preserved_state(model, devices), module_mode(model, training=True), torch.enable_grad():
         blocks = measurable(parts.blocks)
         if options.profile:
             profiles = profile_blocks(blocks, sample, progress=options.progress, copy_input=parts.copy_input)
@@ -126,10 +134,13 @@ def decide(parts: Parts, model: nn.Module, sample: torch.Tensor, batch: torch.Te
                 decision = search(space, clock, budget, where=str(devices[0]))
             finally:
                 if isinstance(clock, DeviceClock):
+                    if warm is not None:
+                        warm.update(clock.stages)
                     clock.close()
             hazard = channels_last_hazard(model, devices[0]) if training.channels_last == "auto" else None
-            if hazard is not None:
-                decision = replace(decision, notes=(*decision.notes, hazard))
+            serial = (f"stages=auto: {devices[0]} runs stages one after another, so only one-stage plans were "
+                      f"timed; threads='auto' runs CPU stages concurrently") if space.stages == (1,) else None
+            decision = replace(decision, notes=(*decision.notes, *(n for n in (hazard, serial) if n)))
             if pieces and not space.concurrent:  # not timed (a CPU runs them in order): as the user asked
                 decision = replace(decision, config=replace(decision.config, concurrent=True))
         else:

@@ -10,11 +10,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..ops.swap import TunedDepthwiseConv2d
+
 __all__ = ["channels_last_hazard"]
 
 
 def channels_last_hazard(model: nn.Module, device: torch.device) -> str | None:
     """Why channels_last must not be tried for ``model`` on ``device`` (None: it may).
+
+    A depthwise layer that must run tuned kernels (``kernels="tvm"``) runs
+    them in the layout they were tuned for: another layout would be an error
+    at the first step, so the model keeps its own.
 
     torch 2.13's CPU backward of a strided 1x1 convolution with 2..7 input
     channels per group in channels-last format corrupts the heap (seen as
@@ -22,6 +28,10 @@ def channels_last_hazard(model: nn.Module, device: torch.device) -> str | None:
     kernel sizes, are fine). Such layers occur in narrow test models, rarely
     in real ones; the user may still ask for ``channels_last=True``.
     """
+    for name, m in model.named_modules():
+        if isinstance(m, TunedDepthwiseConv2d) and m.kernels is not None and m.kernels.strict:
+            return (f"channels_last=auto: kept the model's layout: '{name}' runs tuned kernels only "
+                    f"(kernels='tvm'), in the layout they were tuned for")
     if device.type != "cpu":
         return None
     for name, m in model.named_modules():

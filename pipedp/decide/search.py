@@ -113,9 +113,15 @@ class _Trials:
 
     def cost_s(self, c: Config) -> float:
         """Expected seconds of a first trial of ``c``: its warm-up and timed steps, at the plain step's rate."""
-        step = min(min(v) for v in self.ms.values()) / 1e3 if self.ms else 0.0
         warm = max((s for k, s in self.first_s.items() if not k.compiled), default=0.0)
-        return warm + (self.steps + 1) * step
+        return warm + (self.steps + 1) * self._step_s()
+
+    def reserve_s(self) -> float:
+        """What the final side-by-side timing of the bar and the best plan will take."""
+        return 2 * self.steps * self._step_s()
+
+    def _step_s(self) -> float:
+        return min(min(v) for v in self.ms.values() if v) / 1e3 if self.ms else 0.0
 
 
 def _steps_for(step_ms: float, warm_s: float, planned: int, budget: Budget) -> int:
@@ -147,26 +153,41 @@ def search(space: Space, measure: Measure, budget: Budget, *, margin: float = MI
     if not space.microbatches:
         raise ValueError("stages=auto has no microbatch count to try")
     trials, notes = _Trials(measure, budget), []
+    bar = _time_own(space, trials, budget)
+    ranked = _time_plans(space, trials, budget, bar, notes)
+    bar, ranked = _time_finalists(space, trials, budget, bar, ranked, notes)
+    # Once more side by side, so that drift during the trials favours neither.
+    trials.time(bar)
+    if ranked and trials.best(ranked[0]) <= trials.best(bar) * (1 + RETIME_WITHIN):
+        trials.time(ranked[0])  # only a plan that could still win is timed again
+        ranked = sorted(ranked, key=trials.best)
+    chosen, bar = _choose(space, trials, ranked, margin, f"timed trials on {where}", notes)
+    hint = _hint(space, trials, budget, replace(bar, compiled=space.compile == (True,)))
+    return Decision(chosen, tuple(notes), tuple((c.label, trials.best(c)) for c in trials.order),
+                    bar=bar.label, bar_ms=trials.best(bar), hint=hint)
+
+
+def _time_own(space: Space, trials: _Trials, budget: Budget) -> Config:
+    """The user's own step in each layout (compiled if asked); the fastest. Sizes the trials from the first."""
     forced = space.compile == (True,)
-    whole = (space.blocks,)
-    own = [Config(whole, 1, cl, forced, own=True) for cl in space.layouts]
-    # 1. The user's own step in each layout: the first call also tells how long a step takes.
+    own = [Config((space.blocks,), 1, cl, forced, own=True) for cl in space.layouts]
     trials.time(own[0], MIN_STEPS)
-    plans_first = _plans(space, space.layouts[0], forced)
-    planned = len(own) + len(plans_first) + 2 + (space.hint is not None)
+    planned = len(own) + len(_plans(space, own[0].channels_last, forced)) + 2 + (space.hint is not None)
     trials.steps = _steps_for(trials.best(own[0]), trials.first_s[own[0]], planned, budget)
     for c in own[1:]:
         trials.time(c)
-    bar_cfg = min(own, key=trials.best)
-    layout = bar_cfg.channels_last
-    # 2. pipedp's plans in the faster layout, while the budget lasts.
-    plans = _plans(space, layout, forced)
-    last: dict[int, float] = {1: trials.best(bar_cfg)}  # per stage count, its latest time (M ascending)
+    return min(own, key=trials.best)
+
+
+def _time_plans(space: Space, trials: _Trials, budget: Budget, bar: Config, notes: list[str]) -> list[Config]:
+    """pipedp's plans in the bar's layout while the budget lasts, fastest first."""
+    plans = _plans(space, bar.channels_last, bar.compiled)
+    last: dict[int, float] = {1: trials.best(bar)}  # per stage count, its latest time (M ascending)
     for c in plans:
         s = len(c.counts)
-        if s in last and last[s] == float("inf"):
+        if last.get(s) == float("inf"):
             continue  # more microbatches stopped paying for this stage count
-        if budget.left() < trials.cost_s(c):
+        if budget.left() < trials.cost_s(c) + trials.reserve_s():
             notes.append(f"stages=auto: the budget ran out before {c.label} and later plans "
                          f"(plan_budget_s={budget.seconds:g})")
             break
@@ -174,55 +195,51 @@ def search(space: Space, measure: Measure, budget: Budget, *, margin: float = MI
         # Microbatches trade per-call efficiency for overlap (and cache reuse on a CPU): once a count is
         # slower than the one before it for the same stages, larger counts only lose more.
         last[s] = float("inf") if s in last and ms > last[s] * (1 + PRUNE_SLACK) else ms
-    ranked = sorted((c for c in plans if c in trials.ms), key=trials.best)
-    # 3. Finalists: compiled (compile="auto") and with the concurrency pieces.
+    return sorted((c for c in plans if c in trials.ms), key=trials.best)
+
+
+def _time_finalists(space: Space, trials: _Trials, budget: Budget, bar: Config, ranked: list[Config],
+                    notes: list[str]) -> tuple[Config, list[Config]]:
+    """Compiled (``compile="auto"``: the bar's step and the fastest plans) and concurrent finalists."""
     if space.compile == (False, True):
-        alt = replace(bar_cfg, compiled=True)
+        alt = replace(bar, compiled=True)
         for c in [alt] + [replace(c, compiled=True) for c in ranked[:COMPILE_FINALISTS]]:
             known = max((s for k, s in trials.first_s.items() if k.compiled), default=space.compile_estimate_s)
-            if budget.left() < known + trials.cost_s(c):
+            if budget.left() < known + trials.cost_s(c) + trials.reserve_s():
                 notes.append(f"compile=auto: {c.label} not tried: a compile takes about {known:.0f} s and "
                              f"{max(budget.left(), 0):.0f} s of plan_budget_s={budget.seconds:g} were left")
                 break
             trials.time(c)
-        compiled_alt = alt in trials.ms
-        if compiled_alt and trials.best(alt) < trials.best(bar_cfg):
-            bar_cfg = alt
-        ranked = sorted((c for c in trials.ms if not c.own), key=trials.best)
+        if alt in trials.ms and trials.best(alt) < trials.best(bar):
+            bar = alt
     if space.concurrent:
-        base = [Config(space.cut(1), 1, layout, bar_cfg.compiled)] + ranked[:COMPILE_FINALISTS - 1]
+        base = [Config(space.cut(1), 1, bar.channels_last, bar.compiled)] + ranked[:COMPILE_FINALISTS - 1]
         for c in (replace(b, concurrent=True) for b in base):
-            if budget.left() < trials.cost_s(c):
+            if budget.left() < trials.cost_s(c) + trials.reserve_s():
                 notes.append(f"stages=auto: the budget ran out before {c.label}")
                 break
             trials.time(c)
-        ranked = sorted((c for c in trials.ms if not c.own), key=trials.best)
-    # 4. Once more side by side, so that drift during the trials favours neither.
-    trials.time(bar_cfg)
-    if ranked and trials.best(ranked[0]) <= trials.best(bar_cfg) * (1 + RETIME_WITHIN):
-        trials.time(ranked[0])  # only a plan that could still win is timed again
-        ranked = sorted(ranked, key=trials.best)
-    bar_ms = min(trials.best(c) for c in trials.ms if c.own and c.precision is None)
-    bar_cfg = min((c for c in trials.ms if c.own and c.precision is None), key=trials.best)
-    on = f"timed trials on {where}"
+    return bar, sorted((c for c in trials.ms if not c.own), key=trials.best)
+
+
+def _choose(space: Space, trials: _Trials, ranked: list[Config], margin: float, on: str,
+            notes: list[str]) -> tuple[Config, Config]:
+    """The chosen configuration and the bar: a plan only if it beats the bar by ``margin``."""
+    bar = min((c for c in trials.ms if c.own and c.precision is None), key=trials.best)
+    bar_ms = trials.best(bar)
     best = ranked[0] if ranked else None
     if best is not None and trials.best(best) <= bar_ms * (1 - margin):
-        chosen = best
         notes.append(f"stages=auto chose {best.label} by {on}: {trials.best(best):.2f} ms per step, "
-                     f"{bar_ms / trials.best(best):.2f}x the strongest alternative, {bar_cfg.label} "
-                     f"({bar_ms:.2f} ms)")
-    elif 1 in space.microbatches or best is None:
-        chosen = bar_cfg.run_by_pipedp()
-        notes.append(f"stages=auto: no plan beat the strongest alternative, {bar_cfg.label} ({bar_ms:.2f} ms), "
+                     f"{bar_ms / trials.best(best):.2f}x the strongest alternative, {bar.label} ({bar_ms:.2f} ms)")
+        return best, bar
+    if 1 in space.microbatches or best is None:
+        notes.append(f"stages=auto: no plan beat the strongest alternative, {bar.label} ({bar_ms:.2f} ms), "
                      f"by {margin:.0%} in {on}: the plan is that step itself")
-    else:
-        chosen = best
-        notes.append(f"stages=auto: no plan beat the strongest alternative, {bar_cfg.label} ({bar_ms:.2f} ms), by "
-                     f"{margin:.0%} in {on}; kept the fastest with the given microbatches, {best.label} "
-                     f"({trials.best(best):.2f} ms): microbatches='auto' lets the plan be the plain step")
-    hint = _hint(space, trials, budget, Config(whole, 1, layout, forced, own=True))
-    return Decision(chosen, tuple(notes), tuple((c.label, trials.best(c)) for c in trials.order),
-                    bar=bar_cfg.label, bar_ms=bar_ms, hint=hint)
+        return bar.run_by_pipedp(), bar
+    notes.append(f"stages=auto: no plan beat the strongest alternative, {bar.label} ({bar_ms:.2f} ms), by "
+                 f"{margin:.0%} in {on}; kept the fastest with the given microbatches, {best.label} "
+                 f"({trials.best(best):.2f} ms): microbatches='auto' lets the plan be the plain step")
+    return best, bar
 
 
 def _hint(space: Space, trials: _Trials, budget: Budget, eager: Config) -> str:
@@ -232,7 +249,10 @@ def _hint(space: Space, trials: _Trials, budget: Budget, eager: Config) -> str:
     other = replace(eager, precision=space.hint)
     if budget.left() < trials.cost_s(other):
         return ""
-    factor = trials.best(eager) / trials.time(other)
+    try:
+        factor = trials.best(eager) / trials.time(other, 1)  # a rough factor is enough for a hint
+    except Exception:  # noqa: BLE001 - a model that cannot run in that precision gets no hint, not an error
+        return ""
     if factor < HINT_FACTOR:
         return ""
     return (f"hint: {space.hint} autocast ran the plain step {factor:.2f}x faster here; pass "

@@ -63,9 +63,16 @@ class TunedDepthwiseConv2d(nn.Conv2d):
     kernels: KernelChoice | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.weight, self.bias
+        kind = x.device.type
+        if torch.is_autocast_enabled(kind) and x.is_floating_point():
+            # As autocast runs torch's convolutions: input, weight and bias in the autocast dtype.
+            dtype = torch.get_autocast_dtype(kind)
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = bias.to(dtype) if bias is not None else None
         if self.kernels is not None and self.kernels.strict:
             self._require(x, self.kernels)
-        return depthwise_conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.kernels)
+        return depthwise_conv2d(x, weight, bias, self.stride, self.padding, self.dilation, self.kernels)
 
     def _require(self, x: torch.Tensor, choice: KernelChoice) -> None:
         lib = library(choice.library)
