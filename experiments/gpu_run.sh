@@ -22,6 +22,8 @@ py=${PYTHON:-python3}
 # part | estimated minutes on one H100 (tests, r18, r50, mbv2: as measured 2026-11-25) | what it measures
 parts=(
   "tests|2|the CUDA tests (engine, graphs, trials, baselines, ceiling, benchmark rows)"
+  "best|5|issue 26: pipedp stages=auto vs the strongest alternative (eager/compile/graph/graph+compile x NCHW/channels_last, accumulation), CIFAR ResNet-18 batch 64, fp32 and bf16"
+  "best-b128|5|the same at batch 128"
   "r18-fp32|2|CIFAR ResNet-18, batch 32/64/128/256, fp32: eager, graph, pipedp auto and fixed SxM"
   "r18-bf16cl|2|the same in bf16 autocast + channels_last"
   "r34-fp32|3|CIFAR ResNet-34, as r18"
@@ -93,6 +95,11 @@ ceiling() {  # ceiling NAME MODELS BATCHES
 }
 
 case "$part" in
+  best|best-b128)
+    limit=540; b=64; [ "$part" = "best-b128" ] && b=128
+    precisions=fp32,bf16; if [ "$quick" = "--quick" ]; then precisions=fp32; limit=240; fi
+    timeout "$limit" $py -m experiments.bench_best --device cuda --models resnet18 --batch "$b" \
+      --precision "$precisions" --out "$out/${part}_gpu.json" --md "$out/${part}_gpu.md" 2>&1 | log || status=1 ;;
   tests)
     timeout 500 $py -m pytest -q -m cuda -p no:cacheprovider tests/test_cuda.py tests/test_build.py \
       tests/experiments/test_baselines.py tests/experiments/test_ceiling.py tests/experiments/test_bench_pipeline.py \

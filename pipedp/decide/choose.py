@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from ..comm import Communicator
 from ..lower import Parts, measurable
@@ -77,7 +78,8 @@ def _hint_precision(training: TrainingOptions, model: nn.Module, device: torch.d
         return None
     if device.type == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported() else None
-    return "bf16" if device.type == "cpu" else None
+    # A CPU without bf16 instructions (AVX-512 BF16, AMX) emulates it, many times slower: nothing to hint at.
+    return "bf16" if device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
 
 
 def _space(parts: Parts, profiles: Sequence[BlockProfile], model: nn.Module, device: torch.device,
@@ -130,9 +132,17 @@ def decide(parts: Parts, model: nn.Module, sample: torch.Tensor, batch: torch.Te
             space = _space(parts, profiles, model, devices[0], choices, training, concurrency)
             clock = measure if measure is not None else DeviceClock(model, parts, batch, devices, options, comm,
                                                                    training, concurrency)
+            bar = tqdm(desc=f"pipedp: timing plans (budget {options.plan_budget_s:g} s)", unit="trial", delay=1.0,
+                       disable=not options.progress, leave=False)
+
+            def report(c: Config, ms: float) -> None:
+                bar.set_postfix_str(f"{c.label}: {ms:.1f} ms", refresh=False)
+                bar.update(1)
+
             try:
-                decision = search(space, clock, budget, where=str(devices[0]))
+                decision = search(space, clock, budget, where=str(devices[0]), report=report)
             finally:
+                bar.close()
                 if isinstance(clock, DeviceClock):
                     if warm is not None:
                         warm.update(clock.stages)

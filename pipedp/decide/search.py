@@ -29,7 +29,7 @@ __all__ = ["Space", "Measure", "Budget", "search", "allowed", "MIN_TRIAL_GAIN", 
 MIN_TRIAL_GAIN = 0.02  # a plan must beat the bar by this share (more than trial noise)
 HINT_FACTOR = 1.10  # another precision is hinted at only when it ran at least this much faster
 COMPILE_FINALISTS = 2  # the fastest plans also timed compiled (or with the concurrency pieces)
-MIN_STEPS, MAX_STEPS = 2, 9  # timed steps per trial, after its warm-up call
+MIN_STEPS, MAX_STEPS = 1, 9  # timed steps per trial, after its warm-up call (1 where steps take seconds)
 PRUNE_SLACK = 0.05  # a plan this much slower than the one with fewer microbatches ends that stage count's row
 RETIME_WITHIN = 0.10  # the fastest plan is timed again beside the bar only when this close to it
 TRIAL_SHARE = 0.8  # of the budget for the planned trials; the rest is slack for finalists and noise
@@ -88,8 +88,9 @@ class Budget:
 class _Trials:
     """Every timing of the search, and what each configuration's first call cost."""
 
-    def __init__(self, measure: Measure, budget: Budget) -> None:
-        self.measure, self.budget = measure, budget
+    def __init__(self, measure: Measure, budget: Budget, report: Callable[[Config, float], None] | None = None,
+                 ) -> None:
+        self.measure, self.budget, self.report = measure, budget, report
         self.ms: dict[Config, list[float]] = {}
         self.order: list[Config] = []
         self.first_s: dict[Config, float] = {}
@@ -106,6 +107,8 @@ class _Trials:
         n = max(1, min(steps or self.steps, int(0.5 * max(self.budget.left(), 0.0) / max(step_s, 1e-9))))
         ms = float(self.measure.measure(c, n))
         self.ms[c].append(ms)
+        if self.report is not None:
+            self.report(c, ms)
         return ms
 
     def best(self, c: Config) -> float:
@@ -148,11 +151,14 @@ def _plans(space: Space, channels_last: bool, compiled: bool) -> list[Config]:
 
 
 def search(space: Space, measure: Measure, budget: Budget, *, margin: float = MIN_TRIAL_GAIN,
-           where: str = "the device") -> Decision:
-    """Time the alternatives and plans of ``space`` within ``budget`` and choose one (see the module doc)."""
+           where: str = "the device", report: Callable[[Config, float], None] | None = None) -> Decision:
+    """Time the alternatives and plans of ``space`` within ``budget`` and choose one (see the module doc).
+
+    ``report(config, ms)`` hears of every timing as it is taken (progress).
+    """
     if not space.microbatches:
         raise ValueError("stages=auto has no microbatch count to try")
-    trials, notes = _Trials(measure, budget), []
+    trials, notes = _Trials(measure, budget, report), []
     bar = _time_own(space, trials, budget)
     ranked = _time_plans(space, trials, budget, bar, notes)
     bar, ranked = _time_finalists(space, trials, budget, bar, ranked, notes)
@@ -171,7 +177,7 @@ def _time_own(space: Space, trials: _Trials, budget: Budget) -> Config:
     """The user's own step in each layout (compiled if asked); the fastest. Sizes the trials from the first."""
     forced = space.compile == (True,)
     own = [Config((space.blocks,), 1, cl, forced, own=True) for cl in space.layouts]
-    trials.time(own[0], MIN_STEPS)
+    trials.time(own[0], 1)
     planned = len(own) + len(_plans(space, own[0].channels_last, forced)) + 2 + (space.hint is not None)
     trials.steps = _steps_for(trials.best(own[0]), trials.first_s[own[0]], planned, budget)
     for c in own[1:]:

@@ -128,3 +128,13 @@ def test_concurrent_finalists_are_timed_with_the_pieces():
 
 def test_allowed_values_of_a_lever():
     assert allowed("auto") == (False, True) and allowed(True) == (True,) and allowed(False) == (False,)
+
+
+def test_every_timing_is_reported_as_it_is_taken():
+    heard = []
+    clock = TableClock({"plain": 10.0, "1x2": 9.0})
+    d = search(space(layouts=(False,), microbatches=(1, 2)), clock, Budget(1e9, clock.time),
+               report=lambda c, ms: heard.append((c.label, ms)))
+    assert heard[:2] == [("plain", 10.0), ("1x2", 9.0)]
+    assert [label for label, _ in heard].count("plain") == 2  # timed again at the end, beside the best plan
+    assert {label for label, _ in heard} == {label for label, _ in d.trials}

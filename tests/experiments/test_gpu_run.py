@@ -69,6 +69,14 @@ def test_bench_part_arguments_and_quick(tmp_path, recorder):
     assert "--models resnet18@32/10 --batch 128 --numerics fp32" in call
 
 
+def test_best_parts_run_the_strongest_alternative_benchmark(tmp_path, recorder):
+    stub, calls = recorder
+    assert run(tmp_path, "best-b128", python=stub).returncode == 0
+    (call,) = [c for c in calls.read_text().splitlines() if "bench_best" in c]
+    assert "--device cuda --models resnet18 --batch 128 --precision fp32,bf16" in call
+    assert f"{tmp_path}/out/best-b128_gpu.json" in call and "--md" in call
+
+
 def test_unknown_part_and_report_without_results(tmp_path, recorder):
     stub, _ = recorder
     r = run(tmp_path, "everything", python=stub)
