@@ -129,35 +129,46 @@ def decide(parts: Parts, model: nn.Module, sample: torch.Tensor, batch: torch.Te
             profiles, decision = decide_cpu(parts, blocks, profiles, sample, batch, options, comm, training,
                                             choices, channels_last, compiled=training.compile is True)
         elif timed(options, devices, comm.pp, comm.world if measure is None else 1):  # an injected clock: any rank
-            space = _space(parts, profiles, model, devices[0], choices, training, concurrency)
             clock = measure if measure is not None else DeviceClock(model, parts, batch, devices, options, comm,
                                                                    training, concurrency)
-            bar = tqdm(desc=f"pipedp: timing plans (budget {options.plan_budget_s:g} s)", unit="trial", delay=1.0,
-                       disable=not options.progress, leave=False)
-
-            def report(c: Config, ms: float) -> None:
-                bar.set_postfix_str(f"{c.label}: {ms:.1f} ms", refresh=False)
-                bar.update(1)
-
-            try:
-                decision = search(space, clock, budget, where=str(devices[0]), report=report)
-            finally:
-                bar.close()
-                if isinstance(clock, DeviceClock):
-                    if warm is not None:
-                        warm.update(clock.stages)
-                    clock.close()
+            decision = _timed(_space(parts, profiles, model, devices[0], choices, training, concurrency), clock,
+                              budget, options, devices[0], warm)
             hazard = channels_last_hazard(model, devices[0]) if training.channels_last == "auto" else None
-            serial = (f"stages=auto: {devices[0]} runs stages one after another, so only one-stage plans were "
-                      f"timed; threads='auto' runs CPU stages concurrently") if space.stages == (1,) else None
-            decision = replace(decision, notes=(*decision.notes, *(n for n in (hazard, serial) if n)))
-            if pieces and not space.concurrent:  # not timed (a CPU runs them in order): as the user asked
+            decision = replace(decision, notes=(*decision.notes, *(n for n in (hazard, _serial(devices[0])) if n)))
+            if pieces and devices[0].type != "cuda":  # not timed (a CPU runs them in order): as the user asked
                 decision = replace(decision, config=replace(decision.config, concurrent=True))
         else:
             decision = _predicted(profiles, options, devices, comm, training, choices, batch.shape[0])
             if pieces:
                 decision = replace(decision, config=replace(decision.config, concurrent=True))
     return list(profiles), replace(decision, planning_s=budget.spent())
+
+
+def _timed(space: Space, clock: Measure, budget: Budget, options: PipelineOptions, device: torch.device,
+           warm: dict[Config, list[Stage]] | None) -> Decision:
+    """The search on ``clock``, with a progress bar; the compiled stages its trials made go to ``warm``."""
+    bar = tqdm(desc=f"pipedp: timing plans (budget {options.plan_budget_s:g} s)", unit="trial", delay=1.0,
+               disable=not options.progress, leave=False)
+
+    def report(c: Config, ms: float) -> None:
+        bar.set_postfix_str(f"{c.label}: {ms:.1f} ms", refresh=False)
+        bar.update(1)
+
+    try:
+        return search(space, clock, budget, where=str(device), report=report)
+    finally:
+        bar.close()
+        if isinstance(clock, DeviceClock):
+            if warm is not None:
+                warm.update(clock.stages)
+            clock.close()
+
+
+def _serial(device: torch.device) -> str | None:
+    if device.type == "cuda":
+        return None
+    return (f"stages=auto: {device} runs stages one after another, so only one-stage plans were timed; "
+            f"threads='auto' runs CPU stages concurrently")
 
 
 def _predicted(profiles: Sequence[BlockProfile], options: PipelineOptions, devices: Sequence[torch.device],
