@@ -167,8 +167,8 @@ def _timed(space: Space, clock: Measure, budget: Budget, options: PipelineOption
 def _serial(device: torch.device) -> str | None:
     if device.type == "cuda":
         return None
-    return (f"stages=auto: {device} runs stages one after another, so only one-stage plans were timed; "
-            f"threads='auto' runs CPU stages concurrently")
+    return (f"stages=auto: {device} runs stages one after another, so only one-stage plans were timed (one of "
+            f"M microbatches, times M); threads='auto' runs CPU stages concurrently")
 
 
 def _predicted(profiles: Sequence[BlockProfile], options: PipelineOptions, devices: Sequence[torch.device],

@@ -59,6 +59,18 @@ class DeviceClock:
         self.runs: dict[Config, Callable[[], object]] = {}
         self.stages: dict[Config, list[Stage]] = {}  # a plan's stages, compiled ones reused by the build
         self.layout: bool | None = None  # the model's layout as the trials last set it (None: untouched)
+        self.scale: dict[Config, float] = {}  # sampled plans: the whole batch over the microbatch timed
+
+    def sampled(self, config: Config) -> bool:
+        """Is ``config`` timed on one microbatch, scaled to the batch?
+
+        A one-stage plan on a CPU runs its microbatches one after another,
+        each the same work, so one microbatch times the whole step (with the
+        batch over its size), at a fraction of the cost: where a step takes
+        seconds, that is what lets the planning budget cover several plans.
+        """
+        return (self.devices[0].type == "cpu" and len(config.counts) == 1 and config.microbatches > 1
+                and config.threads is None and not config.concurrent and not config.own)
 
     def warm(self, config: Config) -> None:
         """Make ``config``'s run and call it once (allocation, compilation, capture)."""
@@ -71,7 +83,7 @@ class DeviceClock:
         """ms per step of ``config`` over ``steps`` steps (made ready first if it is not kept warm)."""
         run, undo = self._ready(config)
         try:
-            return windows_ms(run, steps, self.devices)
+            return windows_ms(run, steps, self.devices) * self.scale.get(config, 1.0)
         finally:
             self.model.zero_grad(set_to_none=True)
             if undo is not None:
@@ -127,9 +139,12 @@ class DeviceClock:
 
         With the concurrency pieces they are installed for this trial only (they swap the model's modules).
         """
-        ex, _ = make_executor(self.parts, list(config.counts), config.microbatches, self.devices, self.options,
-                              self.comm, training=self.training, compile=config.compiled, threads=config.threads)
         xs = microbatch.split(in_layout(self.batch, config.channels_last), config.microbatches)
+        if self.sampled(config):  # one microbatch stands for all of them
+            xs = xs[:1]
+            self.scale[config] = self.batch.shape[0] / xs[0].shape[0]
+        ex, _ = make_executor(self.parts, list(config.counts), len(xs), self.devices, self.options,
+                              self.comm, training=self.training, compile=config.compiled, threads=config.threads)
         ys = [t.to(ex.stages[-1].device) for t in xs]
         w = microbatch.shares([t.shape[0] for t in xs])
         undo = None

@@ -1,0 +1,46 @@
+import torch
+
+from pipedp.comm import Local
+from pipedp.decide import Config
+from pipedp.decide.clocks import DeviceClock
+from pipedp.lower import Parts
+from pipedp.options import PipelineOptions, TrainingOptions
+from pipedp.partition.blocks import blocks_of, check_chain
+from tests.reference import clone, max_diff, sequential_cnn
+
+CPU = [torch.device("cpu")]
+
+
+def _clock(model, x):
+    blocks = blocks_of(model)
+    return DeviceClock(model, Parts(blocks, check_chain(model, blocks, x[:2])), x, CPU, PipelineOptions(), Local(),
+                       TrainingOptions())
+
+
+def test_a_one_stage_cpu_plan_is_timed_on_one_microbatch_and_scaled_to_the_batch():
+    model, x = sequential_cnn(), torch.randn(12, 3, 16, 16)
+    seen = []
+    model[0].register_forward_pre_hook(lambda m, a: seen.append(a[0].shape[0]))
+    clock = _clock(model, x)
+    one, four = Config((len(clock.parts.blocks),), 1, own=True), Config((len(clock.parts.blocks),), 4)
+    assert clock.sampled(four) and not clock.sampled(one) and not clock.sampled(Config((4, 5), 4))
+    seen.clear()
+    clock.warm(four)
+    ms = clock.measure(four, 2)
+    assert set(seen) == {3} and ms > 0 and clock.scale[four] == 4.0  # microbatches of 3, x4 for the batch of 12
+    seen.clear()
+    clock.warm(one)
+    clock.measure(one, 1)
+    assert set(seen) == {12}  # the user's own step takes the whole batch
+
+
+def test_trials_leave_parameters_gradients_and_layout_as_they_were():
+    model, x = sequential_cnn(), torch.randn(8, 3, 16, 16)
+    before = clone(model)
+    clock = _clock(model, x)
+    for c in (Config((9,), 1, True, own=True), Config((9,), 2, True), Config((9,), 1, False, own=True)):
+        clock.warm(c)
+        clock.measure(c, 1)
+    clock.close()
+    assert max_diff(model, before) == 0 and all(p.grad is None for p in model.parameters())
+    assert model[0].weight.is_contiguous()  # back in NCHW after the last trial in that layout
