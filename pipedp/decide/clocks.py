@@ -61,6 +61,10 @@ class DeviceClock:
         self.layout: bool | None = None  # the model's layout as the trials last set it (None: untouched)
         self.scale: dict[Config, float] = {}  # sampled plans: the whole batch over the microbatch timed
 
+    def share(self, config: Config) -> float:
+        """One trial step's cost as a share of a whole step: one microbatch of M where sampled."""
+        return 1.0 / config.microbatches if self.sampled(config) else 1.0
+
     def sampled(self, config: Config) -> bool:
         """Is ``config`` timed on one microbatch, scaled to the batch?
 

@@ -48,6 +48,10 @@ class Measure(Protocol):
 
     def measure(self, config: Config, steps: int) -> float: ...
 
+    def share(self, config: Config) -> float:
+        """What one trial step of ``config`` costs, as a share of a whole step (below 1 when sampled)."""
+        ...
+
 
 @dataclass(frozen=True)
 class Space:
@@ -117,11 +121,11 @@ class _Trials:
     def cost_s(self, c: Config) -> float:
         """Expected seconds of a first trial of ``c``: its warm-up and timed steps, at the plain step's rate."""
         warm = max((s for k, s in self.first_s.items() if not k.compiled), default=0.0)
-        return warm + (self.steps + 1) * self._step_s()
+        return (warm + self.steps * self._step_s()) * self.measure.share(c)
 
     def reserve_s(self) -> float:
-        """What the final side-by-side timing of the bar and the best plan will take."""
-        return 2 * self.steps * self._step_s()
+        """What the final side-by-side timing of the bar (and a sampled best plan) will take."""
+        return 1.5 * self.steps * self._step_s()
 
     def _step_s(self) -> float:
         return min(min(v) for v in self.ms.values() if v) / 1e3 if self.ms else 0.0

@@ -28,6 +28,7 @@ class TableClock:
         self.warm_s, self.compile_s = warm_s, compile_s
         self.seen: list[str] = []  # labels in the order first warmed
         self.calls: dict[str, int] = {}
+        self.shares: dict[str, float] = {}  # label -> a trial step's share of a whole step (sampled plans)
 
     def _ms(self, label: str) -> float:
         v = self.table.get(label, self.default)
@@ -40,13 +41,16 @@ class TableClock:
     def warm(self, config) -> None:
         self.seen.append(config.label)
         self.time.t += self.compile_s if config.compiled else self.warm_s
-        self.time.t += self._peek(config.label) / 1e3
+        self.time.t += self._peek(config.label) / 1e3 * self.share(config)
 
     def _peek(self, label: str) -> float:
         v = self.table.get(label, self.default)
         return float(v[0] if isinstance(v, list) else v)
 
+    def share(self, config) -> float:
+        return self.shares.get(config.label, 1.0)
+
     def measure(self, config, steps: int) -> float:
         ms = self._ms(config.label)
-        self.time.t += ms * steps / 1e3
+        self.time.t += ms * steps / 1e3 * self.share(config)
         return ms

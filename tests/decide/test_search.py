@@ -138,3 +138,14 @@ def test_every_timing_is_reported_as_it_is_taken():
     assert heard[:2] == [("plain", 10.0), ("1x2", 9.0)]
     assert [label for label, _ in heard].count("plain") == 2  # timed again at the end, beside the best plan
     assert {label for label, _ in heard} == {label for label, _ in d.trials}
+
+
+def test_a_sampled_plan_costs_its_share_so_the_budget_covers_more_plans():
+    table = {"plain": 2000.0}
+    sp = space(layouts=(False,), microbatches=(1, 2, 4))
+    full = TableClock(table, default=1500.0)
+    search(sp, full, Budget(10.0, full.time))
+    sampled = TableClock(table, default=1500.0)
+    sampled.shares = {"1x2": 0.5, "1x4": 0.25}
+    search(sp, sampled, Budget(10.0, sampled.time))
+    assert "1x2" not in full.seen and {"1x2", "1x4"} <= set(sampled.seen)
