@@ -83,7 +83,8 @@ def _hint_precision(training: TrainingOptions, model: nn.Module, device: torch.d
 
 
 def _space(parts: Parts, profiles: Sequence[BlockProfile], model: nn.Module, device: torch.device,
-           choices: Sequence[int], training: TrainingOptions, concurrency: ConcurrencyOptions | None) -> Space:
+           choices: Sequence[int], training: TrainingOptions, concurrency: ConcurrencyOptions | None,
+           hazard: str | None) -> Space:
     costs = [p.cost_ms for p in profiles]
     pieces = concurrency is not None and (concurrency.branches or concurrency.split_grads)
     return Space(
@@ -92,8 +93,7 @@ def _space(parts: Parts, profiles: Sequence[BlockProfile], model: nn.Module, dev
         # One CPU device runs stages one after another: more stages only add hand-offs.
         stages=tuple(range(1, MAX_TRIAL_STAGES + 1)) if device.type == "cuda" and len(costs) > 1 else (1,),
         microbatches=tuple(choices),
-        layouts=(False,) if training.channels_last == "auto" and channels_last_hazard(model, device)
-        else allowed(training.channels_last),
+        layouts=(False,) if hazard else allowed(training.channels_last),
         # The concurrency pieces swap layers that torch.compile does not trace: never compiled with them.
         compile=(False,) if pieces and training.compile == "auto" else allowed(training.compile),
         concurrent=pieces and device.type == "cuda",
@@ -131,9 +131,9 @@ def decide(parts: Parts, model: nn.Module, sample: torch.Tensor, batch: torch.Te
         elif timed(options, devices, comm.pp, comm.world if measure is None else 1):  # an injected clock: any rank
             clock = measure if measure is not None else DeviceClock(model, parts, batch, devices, options, comm,
                                                                    training, concurrency)
-            decision = _timed(_space(parts, profiles, model, devices[0], choices, training, concurrency), clock,
-                              budget, options, devices[0], warm)
             hazard = channels_last_hazard(model, devices[0]) if training.channels_last == "auto" else None
+            decision = _timed(_space(parts, profiles, model, devices[0], choices, training, concurrency, hazard),
+                              clock, budget, options, devices[0], warm)
             decision = replace(decision, notes=(*decision.notes, *(n for n in (hazard, _serial(devices[0])) if n)))
             if pieces and devices[0].type != "cuda":  # not timed (a CPU runs them in order): as the user asked
                 decision = replace(decision, config=replace(decision.config, concurrent=True))

@@ -40,11 +40,15 @@ class Measure(Protocol):
 
     ``warm(config)`` makes it and runs it once (allocates, compiles,
     captures): the search reads that cost off its own clock before it
-    decides how many steps to time. ``measure(config, steps)`` gives ms per
+    decides how many steps to time. Where the first call needs no warming
+    (eager on a CPU: no compile, no capture, no autotuning) it is a step like
+    any other and ``warm`` returns its ms, so that it counts as the trial's
+    first timed step - where a step takes seconds that halves a trial's cost;
+    elsewhere it returns None. ``measure(config, steps)`` gives ms per
     forward+backward step over ``steps`` timed steps.
     """
 
-    def warm(self, config: Config) -> None: ...
+    def warm(self, config: Config) -> float | None: ...
 
     def measure(self, config: Config, steps: int) -> float: ...
 
@@ -90,27 +94,39 @@ class Budget:
 
 
 class _Trials:
-    """Every timing of the search, and what each configuration's first call cost."""
+    """Every timing of the search (in the order first taken), and what each configuration's first call cost."""
 
     def __init__(self, measure: Measure, budget: Budget, report: Callable[[Config, float], None] | None = None,
                  ) -> None:
         self.measure, self.budget, self.report = measure, budget, report
         self.ms: dict[Config, list[float]] = {}
-        self.order: list[Config] = []
-        self.first_s: dict[Config, float] = {}
+        self.extra_s: dict[Config, float] = {}  # a first call's cost beyond a timed step, per whole step
         self.steps = MIN_STEPS
 
+    @property
+    def order(self) -> list[Config]:
+        return list(self.ms)
+
     def time(self, c: Config, steps: int | None = None) -> float:
+        n = steps or self.steps
         if c not in self.ms:
             t0 = self.budget.now()
-            self.measure.warm(c)
-            self.first_s[c] = self.budget.now() - t0
-            self.ms[c], self.order = [], [*self.order, c]
+            sample = self.measure.warm(c)
+            first_s = (self.budget.now() - t0) / self.measure.share(c)
+            self.ms[c] = [] if sample is None else [float(sample)]
+            self.extra_s[c] = max(first_s - (float(sample) / 1e3 if sample is not None else 0.0), 0.0)
+            if sample is not None:  # the first call was the first timed step
+                n -= 1
+                if n < 1:
+                    return self._heard(c, float(sample))
         # A configuration far slower than expected gets fewer steps (at least one), not the rest of the budget.
-        step_s = min(self.ms[c]) / 1e3 if self.ms[c] else self.first_s[c]
-        n = max(1, min(steps or self.steps, int(0.5 * max(self.budget.left(), 0.0) / max(step_s, 1e-9))))
+        step_s = (min(self.ms[c]) / 1e3 if self.ms[c] else self.extra_s[c]) * self.measure.share(c)
+        n = max(1, min(n, int(0.5 * max(self.budget.left(), 0.0) / max(step_s, 1e-9))))
         ms = float(self.measure.measure(c, n))
         self.ms[c].append(ms)
+        return self._heard(c, ms)
+
+    def _heard(self, c: Config, ms: float) -> float:
         if self.report is not None:
             self.report(c, ms)
         return ms
@@ -118,17 +134,24 @@ class _Trials:
     def best(self, c: Config) -> float:
         return min(self.ms[c])
 
+    def first_s(self, compiled: bool, default: float = 0.0) -> float:
+        """The most a first call beyond a step has cost (per whole step), among compiled or eager runs."""
+        return max((s for k, s in self.extra_s.items() if k.compiled == compiled), default=default)
+
     def cost_s(self, c: Config) -> float:
-        """Expected seconds of a first trial of ``c``: its warm-up and timed steps, at the plain step's rate."""
-        warm = max((s for k, s in self.first_s.items() if not k.compiled), default=0.0)
-        return (warm + self.steps * self._step_s()) * self.measure.share(c)
+        """Expected seconds of a first trial of ``c``: its warm-up and timed steps, at the plain step's rate.
+
+        The warm-up is charged what eager first calls cost beyond a timed step (a compile is charged apart):
+        next to nothing where a first call counts as a step.
+        """
+        return (self.first_s(False) + self.steps * self._step_s()) * self.measure.share(c)
 
     def reserve_s(self) -> float:
         """What the final side-by-side timing of the bar (and a sampled best plan) will take."""
         return 1.5 * self.steps * self._step_s()
 
     def _step_s(self) -> float:
-        return min(min(v) for v in self.ms.values() if v) / 1e3 if self.ms else 0.0
+        return min(min(v) for v in self.ms.values() if v) / 1e3 if any(self.ms.values()) else 0.0
 
 
 def _steps_for(step_ms: float, warm_s: float, planned: int, budget: Budget) -> int:
@@ -183,7 +206,7 @@ def _time_own(space: Space, trials: _Trials, budget: Budget) -> Config:
     own = [Config((space.blocks,), 1, cl, forced, own=True) for cl in space.layouts]
     trials.time(own[0], 1)
     planned = len(own) + len(_plans(space, own[0].channels_last, forced)) + 2 + (space.hint is not None)
-    trials.steps = _steps_for(trials.best(own[0]), trials.first_s[own[0]], planned, budget)
+    trials.steps = _steps_for(trials.best(own[0]), trials.extra_s[own[0]], planned, budget)
     for c in own[1:]:
         trials.time(c)
     return min(own, key=trials.best)
@@ -214,7 +237,7 @@ def _time_finalists(space: Space, trials: _Trials, budget: Budget, bar: Config, 
     if space.compile == (False, True):
         alt = replace(bar, compiled=True)
         for c in [alt] + [replace(c, compiled=True) for c in ranked[:COMPILE_FINALISTS]]:
-            known = max((s for k, s in trials.first_s.items() if k.compiled), default=space.compile_estimate_s)
+            known = trials.first_s(True, default=space.compile_estimate_s)
             if budget.left() < known + trials.cost_s(c) + trials.reserve_s():
                 notes.append(f"compile=auto: {c.label} not tried: a compile takes about {known:.0f} s and "
                              f"{max(budget.left(), 0):.0f} s of plan_budget_s={budget.seconds:g} were left")

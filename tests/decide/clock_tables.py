@@ -18,14 +18,15 @@ class TableClock:
 
     A value may be a list: successive timings of that configuration (drift).
     ``warm_s`` is what a first call costs (a compile costs ``compile_s``);
-    timed steps advance ``time`` by their ms.
+    timed steps advance ``time`` by their ms. ``warm_counts``: an eager first
+    call is a timed step (``warm`` returns its ms, as on a CPU).
     """
 
     def __init__(self, table: dict, default: float = 50.0, time: FakeTime | None = None, warm_s: float = 0.0,
-                 compile_s: float = 0.0) -> None:
+                 compile_s: float = 0.0, warm_counts: bool = False) -> None:
         self.table, self.default = dict(table), default
         self.time = time if time is not None else FakeTime()
-        self.warm_s, self.compile_s = warm_s, compile_s
+        self.warm_s, self.compile_s, self.warm_counts = warm_s, compile_s, warm_counts
         self.seen: list[str] = []  # labels in the order first warmed
         self.calls: dict[str, int] = {}
         self.shares: dict[str, float] = {}  # label -> a trial step's share of a whole step (sampled plans)
@@ -38,10 +39,12 @@ class TableClock:
             return float(v[min(k, len(v) - 1)])
         return float(v)
 
-    def warm(self, config) -> None:
+    def warm(self, config) -> float | None:
         self.seen.append(config.label)
         self.time.t += self.compile_s if config.compiled else self.warm_s
-        self.time.t += self._peek(config.label) / 1e3 * self.share(config)
+        ms = self._ms(config.label) if self.warm_counts and not config.compiled else self._peek(config.label)
+        self.time.t += ms / 1e3 * self.share(config)
+        return ms if self.warm_counts and not config.compiled else None
 
     def _peek(self, label: str) -> float:
         v = self.table.get(label, self.default)

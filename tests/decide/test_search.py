@@ -149,3 +149,22 @@ def test_a_sampled_plan_costs_its_share_so_the_budget_covers_more_plans():
     sampled.shares = {"1x2": 0.5, "1x4": 0.25}
     search(sp, sampled, Budget(10.0, sampled.time))
     assert "1x2" not in full.seen and {"1x2", "1x4"} <= set(sampled.seen)
+
+
+def test_a_first_call_that_is_a_step_counts_as_one_so_the_budget_covers_more_plans():
+    table = {"plain": 2000.0, "plain channels_last": 1900.0}
+    sp = space(microbatches=(1, 2, 4, 8))
+    warmed = TableClock(table, default=1800.0)
+    search(sp, warmed, Budget(12.0, warmed.time))
+    counted = TableClock(table, default=1800.0, warm_counts=True)
+    d = search(sp, counted, Budget(12.0, counted.time))
+    assert len(counted.seen) > len(warmed.seen) and "1x4 channels_last" in counted.seen
+    assert counted.time.t <= 12.0 + 2.0  # at most the final re-timing past the budget
+    assert dict(d.trials)["plain channels_last"] == 1900.0  # the first call's ms is a timing of its own
+
+
+def test_first_calls_that_count_still_give_the_bar_its_best_timing():
+    # Drift: the bar's first call is slow, its later steps fast; the plan is judged against the later ones.
+    table = {"plain": 10.0, "plain channels_last": [12.0, 8.0, 8.0], "1x2 channels_last": 7.95}
+    d, _ = run(space(microbatches=(1, 2)), table, warm_counts=True)
+    assert d.bar_ms == 8.0 and d.config == Config((4,), 1, channels_last=True)
