@@ -18,7 +18,7 @@ $(VENV)/.ready: pyproject.toml
 	@$(PY) -c "import torch" 2>/dev/null || { echo "== setup: $(TORCH_SPEC), the largest download"; \
 		$(PY) -m pip install $(PIP_FLAGS) "$(TORCH_SPEC)"; }
 	@echo "== setup: pipedp (editable) with its dev, tvm and experiments extras"
-	$(PY) -m pip install $(PIP_FLAGS) -e ".[dev,tvm,experiments]"
+	$(PY) -m pip install $(PIP_FLAGS) -e ".[dev,tvm,experiments]" "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
 	touch $@
 	@echo "== setup: done; the venv's programs (torchrun, tune-kernels, reproduce-paper) are in $(VENV)/bin"
 

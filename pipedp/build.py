@@ -33,7 +33,7 @@ from .decide.search import Measure
 from .device import canonical_device
 from .lower import Parts, in_layout, make_executor, set_layout
 from .options import ConcurrencyOptions, PipelineOptions, TrainingOptions
-from .partition.blocks import Block, blocks_of, check_chain
+from .partition.blocks import Block, CutError, blocks_of, check_chain
 from .partition.threads import concurrent_times
 from .pipeline import microbatch
 from .pipeline.batchnorm import DeferredBatchNorm, batchnorms_in_several
@@ -111,11 +111,7 @@ def build_pipeline(model: nn.Module, batch: torch.Tensor, options: PipelineOptio
     batch = in_layout(batch, training.channels_last is True)
     sizes = microbatch.sizes(batch.shape[0], _largest_choice(options, batch.shape[0]))
     sample = batch[: sizes[0]].to(first)
-    if options.stages == 1 and comm.pp == 1:
-        parts = Parts([Block("model", model)], [False])
-    else:
-        blocks = blocks_of(model, depth=options.depth)
-        parts = Parts(blocks, check_chain(model, blocks, sample))
+    parts, uncut = _parts(model, sample, options, comm)
     # Every rank must run the same plan: the first rank decides, the others follow.
     warm: dict[Config, list[Stage]] = {}  # compiled stages of the deciding rank's trials, to reuse
     profiles, decision = comm.decide(
@@ -123,7 +119,7 @@ def build_pipeline(model: nn.Module, batch: torch.Tensor, options: PipelineOptio
                        warm=warm))
     if training.channels_last == "auto":  # trials may have left the model in either layout
         set_layout(model, decision.channels_last)
-    counts, notes = list(decision.counts), list(decision.notes)
+    counts, notes = list(decision.counts), [*uncut, *decision.notes]
     sizes = microbatch.sizes(batch.shape[0], decision.microbatches)
     bad = [i for i in training.recompute if i >= len(counts)] if not isinstance(training.recompute, bool) else []
     if bad:  # checked on the cut, not on the trial cuts of stages="auto"
@@ -177,6 +173,28 @@ def build_pipeline(model: nn.Module, batch: torch.Tensor, options: PipelineOptio
         buffers=BufferSnapshot(model),
         concurrency=concurrent,
     )
+
+
+def _parts(model: nn.Module, sample: torch.Tensor, options: PipelineOptions,
+           comm: Communicator) -> tuple[Parts, list[str]]:
+    """The model's blocks, checked against its forward; and a note when ``stages="auto"`` keeps it whole.
+
+    Cutting is an optimisation: a model plain PyTorch trains is never refused
+    for it. With ``stages="auto"`` on one pipeline rank a model that cannot be
+    cut (or whose blocks do not compute its forward) trains as one stage, and
+    the plan says why; a cut the user asked for (``stages=N``, block counts,
+    ``pp>1``) that cannot be made is an error naming the cause and the fix.
+    """
+    whole = Parts([Block("model", model)], [False])
+    if options.stages == 1 and comm.pp == 1:
+        return whole, []
+    try:
+        blocks = blocks_of(model, depth=options.depth)
+        return Parts(blocks, check_chain(model, blocks, sample)), []
+    except CutError as e:
+        if options.stages != "auto" or comm.pp > 1:
+            raise
+        return whole, [f"stages=auto: one stage ({e.reason}); to cut it, {e.fix}"]
 
 
 def _largest_choice(options: PipelineOptions, batch: int) -> int:

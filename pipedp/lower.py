@@ -44,9 +44,14 @@ def sync_devices(devices: Sequence[torch.device]) -> None:
             torch.cuda.synchronize(d)
 
 
-def surrogate_loss(out: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
-    """The loss of profiling and trials: reaches every output element, costs next to nothing."""
-    return out.float().mean()
+def surrogate_loss(out: object, _: torch.Tensor) -> torch.Tensor:
+    """The loss of profiling and trials: reaches every output element, costs next to nothing.
+
+    A one-stage plan's output is the model's own, which may be a tuple or a dict of tensors.
+    """
+    if isinstance(out, torch.Tensor):
+        return out.float().mean()
+    return torch.stack([t.float().mean() for t in tensors_in(out) if t.is_floating_point()]).sum()
 
 
 def in_layout(x: torch.Tensor, channels_last: bool) -> torch.Tensor:

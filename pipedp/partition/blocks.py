@@ -11,8 +11,9 @@ Three kinds of model are understood, tried in this order:
 * ``nn.Sequential``: its entries (nested Sequentials expanded up to ``depth``);
 * torchvision-style ResNets (``conv1, bn1, relu, maxpool, layer1..4, avgpool,
   fc``): the stem modules, every residual block, ``avgpool``, a flatten, ``fc``;
-* anything ``torch.fx`` can trace: the graph is cut at every point where exactly
-  one tensor is live, and each piece becomes a small ``GraphModule``.
+* anything ``torch.fx`` can trace (:mod:`pipedp.partition.trace` keeps whole
+  what it cannot see into): the graph is cut at every point where exactly one
+  tensor is live, and each piece becomes a small ``GraphModule``.
 
 A module object that a Sequential holds at several positions (one ``ReLU``,
 ``Dropout`` or ``BatchNorm`` reused, a tied ``Linear``) runs at each of them,
@@ -32,11 +33,24 @@ import torch
 from torch import nn
 
 from ..checks import positive_int
+from .trace import trace
 
-__all__ = ["Block", "blocks_of", "check_chain", "check_one_input", "Chain", "module_mode", "mutates_input"]
+__all__ = ["CutError", "Block", "blocks_of", "check_chain", "check_one_input", "Chain", "module_mode", "mutates_input"]
 
-_HOW = "pass an nn.Sequential of the model's parts, or use stages=1 (no pipeline cut)"
+_HOW = "pass an nn.Sequential of the model's parts"
 _RESNET = ("conv1", "bn1", "relu", "layer1", "layer2", "layer3", "layer4", "avgpool", "fc")
+
+
+class CutError(ValueError):
+    """The model cannot be cut into blocks: ``reason``, and ``fix``, what would allow a cut.
+
+    Cutting is an optimisation: where the cut was not asked for
+    (``stages="auto"``) the model trains as one stage and the plan says why.
+    """
+
+    def __init__(self, reason: str, fix: str = _HOW) -> None:
+        super().__init__(f"{reason}. To proceed, {fix}, or use stages=1 (no pipeline cut)")
+        self.reason, self.fix = reason, fix
 
 
 @dataclass(frozen=True)
@@ -138,29 +152,30 @@ def _resnet(model: nn.Module) -> list[Block]:
 def _fx_chain(model: nn.Module) -> list[Block]:
     name = type(model).__name__
     try:
-        traced = torch.fx.symbolic_trace(model)
+        with module_mode(model, training=True):  # the mode steps run in; check_chain compares in eval mode
+            traced = trace(model)
     except Exception as e:  # TraceError, or whatever user code raises on proxies
-        raise ValueError(
+        raise CutError(
             f"cannot cut {name} into blocks: torch.fx could not trace its forward "
-            f"(data-dependent control flow or non-traceable code?): {type(e).__name__}: {e}. To proceed, {_HOW}"
+            f"(data-dependent control flow or non-traceable code?): {type(e).__name__}: {e}"
         ) from e
     nodes = list(traced.graph.nodes)
     inputs = [n for n in nodes if n.op == "placeholder"]
     if len(inputs) != 1:
-        raise ValueError(
+        raise CutError(
             f"cannot cut {name}: its forward takes {len(inputs)} inputs "
-            f"({', '.join(n.name for n in inputs)}), a pipeline stage passes exactly one tensor. To proceed, {_HOW}"
+            f"({', '.join(n.name for n in inputs)}), a pipeline stage passes exactly one tensor"
         )
     out_node = nodes[-1]
     result = out_node.args[0]
     if not isinstance(result, torch.fx.Node):
-        raise ValueError(
+        raise CutError(
             f"cannot cut {name}: its forward returns {type(result).__name__} (at fx node 'output'), "
-            f"not a single tensor. To proceed, {_HOW}"
+            f"not a single tensor"
         )
     body = [n for n in nodes if n.op not in ("placeholder", "output", "get_attr")]
     if not body:
-        raise ValueError(f"cannot cut {name}: its forward does no work")
+        raise CutError(f"cannot cut {name}: its forward does no work")
     order = {n: i for i, n in enumerate(nodes)}
     last_use = {n: max((order[u] for u in n.users), default=-1) for n in nodes}
     defined = [inputs[0]]
@@ -178,10 +193,10 @@ def _fx_chain(model: nn.Module) -> list[Block]:
         if fewest is None:
             return [Block(_label(body), _segment(traced, body, inputs[0], result, name))]
         _, at, live = fewest
-        raise ValueError(
+        raise CutError(
             f"cannot cut {name} into blocks: at every point between its fx nodes several values are live "
             f"(at best {len(live)} after node '{at.name}': {', '.join(v.name for v in live)}), so no cut passes "
-            f"exactly one tensor. To proceed, {_HOW}"
+            f"exactly one tensor"
         )
     blocks: list[Block] = []
     start, value = 0, inputs[0]
@@ -272,19 +287,19 @@ def check_chain(model: nn.Module, blocks: list[Block], sample: torch.Tensor) -> 
                 y = b.module(x.clone())
                 flags.append(True)
             if not isinstance(y, torch.Tensor):
-                raise ValueError(
+                raise CutError(
                     f"block '{b.name}' of {type(model).__name__} returns {type(y).__name__}, not a tensor; "
-                    f"only a single tensor can pass between stages. To proceed, {_HOW}"
+                    f"only a single tensor can pass between stages"
                 )
             if first_bad is None and not _finite(y):
                 first_bad = b.name
     y = y.detach()
     _check_output(model, ref, sample, first_bad)
     if ref.shape != y.shape or not torch.allclose(ref.float(), y.float(), rtol=1e-4, atol=1e-5):
-        raise ValueError(
+        raise CutError(
             f"{type(model).__name__}.forward is not the chain of its blocks "
             f"({', '.join(b.name for b in blocks[:6])}{', ...' if len(blocks) > 6 else ''}): "
-            f"running them in order gives a different result. To proceed, {_HOW}"
+            f"running them in order gives a different result"
         )
     return flags
 
@@ -297,10 +312,10 @@ def _check_output(model: nn.Module, ref: object, sample: torch.Tensor, first_bad
     """Refuse a model output that cannot be compared with the chain's: not a tensor, or not finite."""
     name = type(model).__name__
     if not isinstance(ref, torch.Tensor):
-        raise ValueError(
+        raise CutError(
             f"{name}.forward returns {type(ref).__name__}, not a single tensor, so it cannot be cut into "
-            f"stages (a loss_fn that takes it still works on one stage). To proceed, use stages=1 "
-            f"(no pipeline cut), or wrap the model so that its forward returns one tensor"
+            f"stages (a loss_fn that takes it still works on one stage)",
+            "wrap the model so that its forward returns one tensor",
         )
     if _finite(ref):
         return

@@ -188,10 +188,15 @@ def _aux_loss(out: tuple[torch.Tensor, torch.Tensor], y: torch.Tensor) -> torch.
 
 
 def test_a_tuple_returning_model_trains_on_the_one_stage_the_error_advises():
-    """Item 9: a model returning a tuple is told to use stages=1, and stages=1 then trains and infers exactly."""
+    """Item 9: a model returning a tuple is told to use stages=1 when a cut was asked for, trains as one stage
+    when none was (stages="auto"), and stages=1 trains and infers exactly."""
     batches = data(n=8, size=8, steps=2)
     with pytest.raises(ValueError, match=r"returns tuple.*stages=1"):
-        _engine(WithAux(), loss_fn=_aux_loss, microbatches=2, sample=(4, 3, 8, 8))
+        _engine(WithAux(), loss_fn=_aux_loss, microbatches=2, stages=2, sample=(4, 3, 8, 8))
+    # Not asked for a cut (stages="auto"): one stage, and the plan says why.
+    auto = _engine(WithAux(), loss_fn=_aux_loss, microbatches=2, sample=(4, 3, 8, 8))
+    assert len(auto.executor.stages) == 1
+    assert auto.plan.notes[0].startswith("stages=auto: one stage (cannot cut WithAux: its forward returns tuple")
     torch.manual_seed(0)
     model = WithAux()
     ref = clone(model)

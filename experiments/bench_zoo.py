@@ -1,0 +1,202 @@
+"""Benchmark: the model zoo (torchvision's CNNs, a fixed sample of timm's families) through pipedp.
+
+For each model of :mod:`experiments.zoo` (random init, random layers off,
+batch 8 of 64x64 images, CPU):
+
+* ``wraps``: ``pipedp.wrap(model, optimizer=..., loss_fn=...)`` with default
+  options trains a step (and why not), with the seconds it took to plan
+  (wrap plus the first step, which plans);
+* ``cut``: whether the model was cut into blocks (or trains as one stage, and
+  why), the number of blocks;
+* ``balance2`` / ``balance4``: slowest stage over the mean for the optimal cut
+  into 2 and 4 stages of the profiled block times (1.0 is perfect);
+* ``exact2`` / ``exact4``: the largest parameter or buffer difference after two
+  SGD-momentum steps with 2 stages x 2 microbatches and 4 stages x 4
+  microbatches against plain PyTorch with the same microbatches (the
+  contract: <= 1e-5).
+
+    python -m experiments.bench_zoo --out experiments/results/zoo_cpu.json --md experiments/results/zoo_cpu.md
+    python -m experiments.bench_zoo --library timm --models resnet18,mixnet_s
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+from typing import Callable
+
+import torch
+from torch import nn
+
+import pipedp
+from pipedp.partition.balance import balance, stage_costs
+from pipedp.partition.blocks import CutError, blocks_of, check_chain
+from pipedp.partition.profile import profile_blocks
+from pipedp.pipeline import microbatch
+
+from . import zoo
+from .machine import describe
+from .report import write_json, write_text
+
+TOL = 1e-5
+BATCH = 8
+
+
+def _plain(model: nn.Module, batches, m: int) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+    for x, y in batches:
+        opt.zero_grad(set_to_none=True)
+        xs, ys = microbatch.split(x, m), microbatch.split(y, m)
+        for xi, yi, w in zip(xs, ys, microbatch.shares([t.shape[0] for t in xs])):
+            (loss_fn(model(xi), yi) * w).backward()
+        opt.step()
+
+
+def _diff(a: nn.Module, b: nn.Module) -> float:
+    sa, sb = a.state_dict(), b.state_dict()
+    return max(((sa[k].double() - sb[k].double()).abs().max().item() for k in sa if sa[k].is_floating_point()),
+               default=0.0)
+
+
+def _exact(make: Callable[[], nn.Module], batches, stages: int) -> float:
+    """Max difference after two steps with ``stages`` stages x ``stages`` microbatches against plain training."""
+    torch.manual_seed(0)
+    model = make()
+    ref = make()
+    ref.load_state_dict(model.state_dict())
+    engine = pipedp.wrap(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                         loss_fn=nn.CrossEntropyLoss(), stages=stages, microbatches=stages, profile=False,
+                         progress=False)
+    for x, y in batches:
+        engine.train_step(x, y)
+    _plain(ref, batches, stages)
+    return _diff(model, ref)
+
+
+def _ratio(costs: list[float], stages: int) -> float | None:
+    if len(costs) < stages:
+        return None
+    per = stage_costs(costs, balance(costs, stages))
+    return float(max(per) / (sum(per) / len(per)))
+
+
+def one(library: str, name: str) -> dict[str, object]:
+    """The row of one model (errors are recorded, not raised)."""
+    row: dict[str, object] = {"library": library, "model": name}
+    make = zoo.build(library, name)
+    size = zoo.input_size(library, name)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(BATCH, 3, size, size, generator=g), torch.randint(0, 10, (BATCH,), generator=g))
+               for _ in range(2)]
+    torch.manual_seed(0)
+    model = make()
+    row["params_m"] = round(sum(p.numel() for p in model.parameters()) / 1e6, 2)
+    t0 = time.perf_counter()
+    try:
+        engine = pipedp.wrap(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
+                             loss_fn=nn.CrossEntropyLoss(), progress=False)
+        engine.train_step(*batches[0])
+        row["wraps"], row["plan_s"] = True, round(time.perf_counter() - t0, 2)
+        row["plan"] = f"{len(engine.plan.stages)}x{engine.plan.microbatches}"
+        row["plan_notes"] = [n for n in engine.plan.notes if n.startswith("stages=auto: one stage (")]
+    except Exception as e:  # noqa: BLE001 - the row says why
+        row["wraps"], row["wrap_error"] = False, f"{type(e).__name__}: {e}"[:400]
+        return row
+    torch.manual_seed(0)
+    model = make()
+    try:
+        blocks = blocks_of(model)
+        check_chain(model, blocks, batches[0][0][:2])
+        row["cut"], row["blocks"] = True, len(blocks)
+    except CutError as e:
+        row["cut"], row["why_not_cut"] = False, e.reason[:400]
+        return row
+    costs = [p.cost_ms for p in profile_blocks(blocks, batches[0][0][: BATCH // 2], progress=False, repeats=2)]
+    row["balance2"], row["balance4"] = _ratio(costs, 2), _ratio(costs, 4)
+    for s in (2, 4):
+        try:
+            row[f"exact{s}"] = _exact(make, batches, s)
+        except Exception as e:  # noqa: BLE001
+            row[f"exact{s}"], row[f"error{s}"] = None, f"{type(e).__name__}: {e}"[:400]
+    return row
+
+
+def _ok(row: dict[str, object], s: int) -> bool:
+    v = row.get(f"exact{s}")
+    return isinstance(v, float) and v <= TOL
+
+
+def summary(rows: list[dict[str, object]]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for lib in sorted({str(r["library"]) for r in rows}):
+        mine = [r for r in rows if r["library"] == lib]
+        out[lib] = {"models": len(mine), "wraps": sum(bool(r.get("wraps")) for r in mine),
+                    "cut": sum(bool(r.get("cut")) for r in mine),
+                    "exact2": sum(_ok(r, 2) for r in mine), "exact4": sum(_ok(r, 4) for r in mine)}
+    return out
+
+
+def markdown(rows: list[dict[str, object]], machine: dict[str, object]) -> str:
+    lines = [f"Machine: {machine}; batch {BATCH}, 64x64 (inception_v3 80x80), fp32; exact: max difference after 2 "
+             f"steps vs plain PyTorch with the same microbatches (contract <= {TOL:g}).", "",
+             "| library | model | M params | wraps (defaults) | plan s | cut | blocks | 2-stage balance | "
+             "4-stage balance | exact 2 | exact 4 | why not |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def f(v: object, fmt: str = "{:.2f}") -> str:
+        return "" if v is None else fmt.format(v) if isinstance(v, float) else str(v)
+
+    for r in rows:
+        why = r.get("wrap_error") or r.get("why_not_cut") or r.get("error2") or r.get("error4") or ""
+        lines.append(f"| {r['library']} | {r['model']} | {f(r.get('params_m'))} | {'yes' if r.get('wraps') else 'no'} "
+                     f"| {f(r.get('plan_s'), '{:.1f}')} | {'yes' if r.get('cut') else 'no'} | {f(r.get('blocks'))} "
+                     f"| {f(r.get('balance2'))} | {f(r.get('balance4'))} | {f(r.get('exact2'), '{:.1e}')} "
+                     f"| {f(r.get('exact4'), '{:.1e}')} | {str(why).replace('|', '/')[:160]} |")
+    lines += ["", "| library | models | wrap with defaults | cut | exact 2 stages | exact 4 stages |",
+              "|---|---|---|---|---|---|"]
+    for lib, s in summary(rows).items():
+        lines.append(f"| {lib} | {s['models']} | {s['wraps']} | {s['cut']} | {s['exact2']} | {s['exact4']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--library", choices=("torchvision", "timm", "all"), default="all")
+    p.add_argument("--models", default=None, help="comma list (default: the zoo's list, without the too-big ones)")
+    p.add_argument("--out", default=None)
+    p.add_argument("--md", default=None)
+    args = p.parse_args(argv)
+    libs = ("torchvision", "timm") if args.library == "all" else (args.library,)
+    todo = []
+    for lib in libs:
+        names = args.models.split(",") if args.models else (
+            [n for n in zoo.TORCHVISION if n not in zoo.TOO_BIG] if lib == "torchvision" else list(zoo.TIMM))
+        todo += [(lib, n) for n in names]
+    machine = describe("cpu")
+    rows: list[dict[str, object]] = []
+    for i, (lib, name) in enumerate(todo, 1):
+        t0 = time.perf_counter()
+        try:
+            row = one(lib, name)
+        except Exception as e:  # noqa: BLE001 - building the model itself failed
+            traceback.print_exc(limit=2)
+            row = {"library": lib, "model": name, "wraps": False, "wrap_error": f"{type(e).__name__}: {e}"[:400]}
+        row["seconds"] = round(time.perf_counter() - t0, 1)
+        rows.append(row)
+        print(f"[{i}/{len(todo)}] {lib} {name}: wraps={row.get('wraps')} cut={row.get('cut')} "
+              f"exact2={row.get('exact2')} exact4={row.get('exact4')} ({row['seconds']} s) "
+              f"{row.get('wrap_error') or row.get('why_not_cut') or row.get('error2') or ''}"[:300], flush=True)
+        data = {"benchmark": "bench_zoo", "machine": machine, "torch": torch.__version__, "batch": BATCH,
+                "rows": rows, "summary": summary(rows)}
+        if args.out:
+            write_json(args.out, data)
+        if args.md:
+            write_text(args.md, markdown(rows, machine))
+    print(summary(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""Tracing an unmodified model with ``torch.fx`` so that it can be cut, keeping whole what fx cannot see into.
+
+fx runs a forward on proxies and records the tensor operations; Python
+control flow is resolved while it traces. That is wrong or impossible for
+some modules, which are therefore kept whole (leaves, one graph node each,
+their own Python running at every call):
+
+* subclasses of torch.nn's own layers (timm's ``BatchNormAct2d`` is a
+  ``BatchNorm2d``, its ``Conv2dSame`` a ``Conv2d`` that pads by input size):
+  fx keeps torch.nn's layers whole, and a subclass is one layer too;
+* modules whose own forward reads ``self.training`` (drop-path, norm-act
+  layers): traced, their train-mode branch would be baked into the graph and
+  run in eval mode as well;
+* what timm registers as not traceable (``timm.layers``' no-trace modules
+  and functions), when the model's code has imported timm;
+* children that fx cannot trace (shape-dependent Python, asserts on
+  values): found by tracing each child alone, after the whole model failed.
+
+Inputs after the first that have defaults are held at their defaults
+(``concrete_args``), so a ``forward(x, mask=None)`` traces with one input.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+__all__ = ["trace", "leaf_reason"]
+
+# torch.nn classes that hold other modules: their subclasses are traced through, not kept whole.
+_CONTAINERS = (nn.Module, nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+def _from_torch_nn(cls: type) -> bool:
+    return cls.__module__.startswith(("torch.nn.", "torch.ao.nn.")) and cls not in _CONTAINERS
+
+
+def _timm_notrace() -> tuple[tuple[type, ...], tuple[Callable[..., object], ...]]:
+    """timm's registered no-trace modules and functions, if the model's code imported timm (never imported here)."""
+    fx = sys.modules.get("timm.layers._fx")
+    if fx is None:
+        return (), ()
+    try:
+        return tuple(fx.get_notrace_modules()), tuple(f for f in fx.get_notrace_functions() if callable(f))
+    except Exception:  # noqa: BLE001 - another timm version: trace without its registry
+        return (), ()
+
+
+def leaf_reason(module: nn.Module, timm_modules: tuple[type, ...] = ()) -> str | None:
+    """Why ``module`` is kept whole when tracing (None: traced into)."""
+    cls = type(module)
+    if isinstance(module, nn.Sequential | nn.ModuleList | nn.ModuleDict):
+        return None
+    if _from_torch_nn(cls):
+        return "a torch.nn layer"
+    if any(_from_torch_nn(c) for c in cls.__mro__[1:]):
+        return "a subclass of a torch.nn layer"
+    if timm_modules and isinstance(module, timm_modules):
+        return "registered with timm as not traceable"
+    if "self.training" in _own_source(cls):
+        return "its forward depends on train/eval mode"
+    return None
+
+
+@functools.cache
+def _own_source(cls: type) -> str:
+    forward = cls.__dict__.get("forward")
+    if forward is None:
+        for base in cls.__mro__[1:]:
+            if base is nn.Module or _from_torch_nn(base):
+                return ""
+            forward = base.__dict__.get("forward")
+            if forward is not None:
+                break
+    if forward is None:
+        return ""
+    try:
+        return inspect.getsource(forward)
+    except (OSError, TypeError):
+        return ""
+
+
+class _Tracer(torch.fx.Tracer):
+    def __init__(self, whole: Iterable[nn.Module], timm_modules: tuple[type, ...],
+                 functions: tuple[Callable[..., object], ...]) -> None:
+        super().__init__(autowrap_functions=functions)
+        self.whole = {id(m) for m in whole}
+        self.timm_modules = timm_modules
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return id(m) in self.whole or leaf_reason(m, self.timm_modules) is not None
+
+
+def _defaults(model: nn.Module) -> dict[str, object]:
+    """The forward's inputs after the first that have defaults: held at them while tracing."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return {}
+    P = inspect.Parameter
+    named = [p for p in params if p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY)]
+    return {p.name: p.default for p in named[1:] if p.default is not P.empty}
+
+
+def _untraceable(model: nn.Module, tracer: Callable[[Iterable[nn.Module]], _Tracer]) -> list[nn.Module]:
+    """The outermost children that fx cannot trace on their own (each kept whole)."""
+    out: list[nn.Module] = []
+
+    def visit(m: nn.Module) -> None:
+        for child in m.children():
+            t = tracer(())
+            if t.is_leaf_module(child, ""):
+                continue
+            try:
+                t.trace(child, concrete_args=_defaults(child) or None)
+            except Exception:  # noqa: BLE001 - whatever user code raises on proxies
+                out.append(child)
+                continue
+            visit(child)
+
+    visit(model)
+    return out
+
+
+def trace(model: nn.Module) -> torch.fx.GraphModule:
+    """``model``'s forward as an fx graph, with the leaves of the module doc kept whole.
+
+    Raises what fx raised when the model cannot be traced even with every
+    untraceable child kept whole (the root's own forward is the problem).
+    """
+    timm_modules, functions = _timm_notrace()
+
+    def tracer(whole: Iterable[nn.Module]) -> _Tracer:
+        return _Tracer(whole, timm_modules, functions)
+
+    concrete = _defaults(model) or None
+    try:
+        graph = tracer(()).trace(model, concrete_args=concrete)
+    except Exception:  # noqa: BLE001
+        whole = _untraceable(model, tracer)
+        if not whole:
+            raise
+        graph = tracer(whole).trace(model, concrete_args=concrete)
+    _drop_held_inputs(graph, set(concrete or ()))
+    return torch.fx.GraphModule(model, graph, class_name=type(model).__name__)
+
+
+def _drop_held_inputs(graph: torch.fx.Graph, held: set[str]) -> None:
+    """Take out the placeholders fx keeps for inputs held at their defaults, with the checks it hangs on them.
+
+    The forward saw the default values themselves, so nothing but fx's own
+    checks (``_assert_is_none``, equality asserts) uses those placeholders
+    (which fx names ``<input>_<n>``).
+    """
+    for ph in [n for n in graph.nodes if n.op == "placeholder" and str(n.target).rsplit("_", 1)[0] in held]:
+        doomed, todo = {ph}, [ph]
+        while todo:
+            for user in todo.pop().users:
+                if user not in doomed:
+                    doomed.add(user)
+                    todo.append(user)
+        if any(n.op == "output" for n in doomed):
+            continue  # the default itself is returned: leave it, the cut will name the extra input
+        for n in reversed([n for n in graph.nodes if n in doomed]):
+            graph.erase_node(n)

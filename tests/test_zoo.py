@@ -1,0 +1,83 @@
+"""The models people train, from code no one here wrote: torchvision's CNNs and a sample of timm's families.
+
+Each wraps with default options (``stages="auto"``: cut where it can be cut,
+one stage with the reason where not) and trains a step; where a cut exists,
+two stages train exactly as plain PyTorch with the same microbatches
+(fp32, <= 1e-5). Random layers are switched off through the builders' own
+arguments (dropout, stochastic depth), as the exactness contract needs.
+The small and fast models run by default; the rest are marked slow.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import pipedp
+from pipedp.partition.blocks import CutError, blocks_of, check_chain
+
+from experiments import zoo
+
+from .reference import clone, max_diff, plain_steps
+
+TOL = 1e-5
+FAST_TV = ("resnet18", "mobilenet_v3_small", "shufflenet_v2_x0_5", "squeezenet1_1", "mnasnet0_5",
+           "regnet_x_400mf", "efficientnet_b0", "googlenet")
+FAST_TIMM = ("resnet18", "mobilenetv3_small_050", "efficientnet_b0", "regnetx_002", "ghostnet_050",
+             "mixnet_s", "lcnet_050")
+
+
+def _lib(library: str):
+    try:
+        return zoo.torchvision_models() if library == "torchvision" else zoo.timm()
+    except ImportError as e:
+        pytest.skip(str(e))
+
+
+def _params(names, fast):
+    return [pytest.param(n, marks=() if n in fast else pytest.mark.slow) for n in names]
+
+
+def _step_and_compare(make, size: int, *, classes: int) -> None:
+    """Defaults wrap and train; two stages (where the model can be cut) equal plain training."""
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 3, size, size), torch.randint(0, classes, (4,))
+    model = make()
+    engine = pipedp.wrap(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01), loss_fn=nn.CrossEntropyLoss(),
+                         progress=False, plan_budget_s=1.0)
+    assert torch.isfinite(engine.train_step(x, y)).all()
+    torch.manual_seed(0)
+    model = make()
+    try:
+        check_chain(model, blocks_of(model), x[:2])
+    except CutError as e:  # one stage, as the defaults trained it: the reason is the plan's first note
+        assert engine.plan.notes[0] == f"stages=auto: one stage ({e.reason}); to cut it, {e.fix}"
+        pytest.skip(f"not cut: {e.reason}")
+    ref = clone(model)
+    engine = pipedp.wrap(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                         loss_fn=nn.CrossEntropyLoss(), stages=2, microbatches=2, profile=False, progress=False)
+    batches = [(x, y), (torch.randn_like(x), y.flip(0))]
+    for xb, yb in batches:
+        engine.train_step(xb, yb)
+    plain_steps(ref, batches, microbatches=2)
+    assert max_diff(model, ref) <= TOL
+
+
+def test_the_list_covers_every_torchvision_cnn_builder():
+    models = _lib("torchvision")
+    cnns = {n for n in models.list_models(module=models) if not n.startswith(zoo.TRANSFORMERS)}
+    assert cnns == set(zoo.TORCHVISION), cnns ^ set(zoo.TORCHVISION)
+
+
+@pytest.mark.parametrize("name", _params([n for n in zoo.TORCHVISION if n not in zoo.TOO_BIG], FAST_TV))
+def test_torchvision_cnn_wraps_with_defaults_and_two_stages_are_exact(name):
+    _lib("torchvision")
+    _step_and_compare(zoo.build("torchvision", name), zoo.input_size("torchvision", name), classes=10)
+
+
+@pytest.mark.parametrize("name", _params(zoo.TIMM, FAST_TIMM))
+def test_timm_model_wraps_with_defaults_and_two_stages_are_exact(name):
+    if name not in _lib("timm").list_models():
+        pytest.skip(f"this timm has no {name}")
+    _step_and_compare(zoo.build("timm", name), zoo.input_size("timm", name), classes=10)
