@@ -109,12 +109,13 @@ def one(library: str, name: str) -> dict[str, object]:
     model = make()
     try:
         blocks = blocks_of(model)
-        check_chain(model, blocks, batches[0][0][:2])
+        flags = check_chain(model, blocks, batches[0][0][:2])
         row["cut"], row["blocks"] = True, len(blocks)
     except CutError as e:
         row["cut"], row["why_not_cut"] = False, e.reason[:400]
         return row
-    costs = [p.cost_ms for p in profile_blocks(blocks, batches[0][0][: BATCH // 2], progress=False, repeats=2)]
+    costs = [p.cost_ms for p in profile_blocks(blocks, batches[0][0][: BATCH // 2], progress=False, repeats=2,
+                                                 copy_input=flags)]
     row["balance2"], row["balance4"] = _ratio(costs, 2), _ratio(costs, 4)
     for s in (2, 4):
         try:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import operator
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -185,7 +186,7 @@ def _fx_chain(model: nn.Module) -> list[Block]:
         defined.append(n)
         pos = order[n]
         live = [d for d in defined if last_use[d] > pos]
-        if len(live) == 1:
+        if len(live) == 1 and not _unpacked(live[0]):
             cuts.append((i, live[0]))
         if fewest is None or len(live) < len(fewest[2]):
             fewest = (i, n, live)
@@ -205,6 +206,16 @@ def _fx_chain(model: nn.Module) -> list[Block]:
         blocks.append(Block(_label(seg), _segment(traced, seg, value, live, name)))
         start, value = i + 1, live
     return blocks
+
+
+def _unpacked(node: torch.fx.Node) -> bool:
+    """Is ``node`` a tuple or list (``chunk``, ``split``) that only its items are taken from?
+
+    Such a value is not one tensor, so no cut passes it; the cut falls where
+    the items are joined again. (A tensor used only through indexing is
+    passed over too: a cut point fewer, never a wrong one.)
+    """
+    return bool(node.users) and all(u.op == "call_function" and u.target is operator.getitem for u in node.users)
 
 
 def _label(nodes: list[torch.fx.Node]) -> str:

@@ -240,3 +240,25 @@ def test_check_chain_sends_a_model_returning_a_tuple_to_one_stage():
     with pytest.raises(ValueError, match=r"forward returns tuple, not a single tensor.*use stages=1") as e:
         check_chain(model, blocks_of(model), torch.randn(2, 3, 8, 8))
     assert "not the chain" not in str(e.value)
+
+
+class ChunkNet(nn.Module):
+    """Splits its activations and joins them again, as ShuffleNet, MixNet and CSP blocks do."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.left, self.right = nn.Conv2d(4, 4, 3, padding=1), nn.Conv2d(4, 4, 1)
+        self.head = nn.Conv2d(8, 8, 1)
+
+    def forward(self, x):
+        a, b = self.stem(x).chunk(2, dim=1)
+        parts = torch.split(self.head(torch.cat((self.left(a), self.right(b)), 1)), [3, 5], dim=1)
+        return torch.cat((parts[0].relu(), parts[1].sigmoid()), 1).mean((2, 3))
+
+
+def test_no_cut_passes_a_tuple_of_pieces_the_cut_falls_where_they_are_joined():
+    model = ChunkNet()
+    blocks = blocks_of(model)
+    assert len(blocks) >= 3 and not any(b.name.endswith("chunk") or b.name.endswith("split") for b in blocks)
+    check_chain(model, blocks, torch.randn(2, 3, 8, 8))
