@@ -49,8 +49,9 @@ TORCHVISION: dict[str, dict[str, object]] = {
     **{f"convnext_{s}": {"stochastic_depth_prob": 0.0} for s in ("tiny", "small", "base", "large")},
 }
 TRANSFORMERS = ("vit_", "swin_", "maxvit_")
-# Over 100M parameters: minutes a step on 2 cores and gigabytes per copy; their families are covered by smaller
-# members (the same block code at other widths and depths).
+# The largest members of their families (43M to 644M parameters): the zoo runs on 2 cores hold two or three
+# copies of each and take a minute or more per model, so they are left out of the default runs; every family is
+# covered by smaller members built from the same block code (``bench_zoo --models`` runs them by name).
 TOO_BIG = ("regnet_y_128gf", "regnet_y_32gf", "regnet_x_32gf", "regnet_y_16gf", "vgg11", "vgg11_bn", "vgg13",
            "vgg13_bn", "vgg16", "vgg16_bn", "vgg19", "vgg19_bn", "resnext101_64x4d", "resnext101_32x8d",
            "wide_resnet101_2", "convnext_large", "convnext_base", "efficientnet_v2_l", "efficientnet_v2_m",

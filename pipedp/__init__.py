@@ -10,7 +10,7 @@ torchrun it runs data parallel x pipeline over ``torch.distributed``.
 __version__ = "0.1.0"
 
 from . import data  # noqa: E402
-from .api import wrap  # noqa: E402
+from .api import inspect, wrap  # noqa: E402
 from .distributed import DistributedError  # noqa: E402
 from .engine import Engine  # noqa: E402
 from .options import (  # noqa: E402
@@ -20,6 +20,6 @@ from .plan import Plan, StagePlan  # noqa: E402
 from .advisor import advise  # noqa: E402
 
 __all__ = [
-    "wrap", "Engine", "PipelineOptions", "DataParallelOptions", "KernelOptions", "TrainingOptions", "Plan", "StagePlan",
+    "wrap", "inspect", "Engine", "PipelineOptions", "DataParallelOptions", "KernelOptions", "TrainingOptions", "Plan", "StagePlan",
     "DistributedError", "data", "advise", "__version__", "ConcurrencyOptions",
 ]

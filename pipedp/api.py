@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 from torch import nn
 
+from .build import sample_batch
 from .device import DeviceSpec
 from .distributed import DEFAULT_TIMEOUT_S
 from .engine import Engine
@@ -15,6 +16,7 @@ from .options import (
     DEFAULT_BUCKET_MB, ConcurrencyOptions, DataParallelOptions, KernelOptions, MicrobatchSpec, PipelineOptions,
     RecomputeSpec, TrainingOptions,
 )
+from .partition.report import CutReport, inspect_cut
 from .partition.threads import ThreadsSpec
 from .decide.cut import StagesSpec
 from .step import LossFn
@@ -23,7 +25,7 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["wrap"]
+__all__ = ["wrap", "inspect"]
 
 
 def wrap(
@@ -97,3 +99,10 @@ def wrap(
         concurrency=ConcurrencyOptions(branches=branches, split_grads=split_grads, early_update=early_update),
         sample=sample,
     )
+
+
+def inspect(model: nn.Module, sample: torch.Tensor | Sequence[int], *, depth: int = 1) -> CutReport:
+    """Where ``model`` can be cut, before any step: its blocks, the modules kept whole while tracing and why,
+    the stretches of its forward with no cut point, or why it is not cut at all (``stages="auto"`` then trains
+    it as one stage). ``sample``: a batch, or its shape. ``print()`` the result."""
+    return inspect_cut(model, sample_batch(model, sample), depth=depth)

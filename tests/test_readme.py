@@ -64,6 +64,7 @@ def _steps(out: str) -> list[int]:
     return [int(s) for s in re.findall(r"^step +(\d+) ", out, re.M)]
 
 
+@pytest.mark.slow  # tens of seconds on 2 cores: the slow run (CI runs it) keeps the default suite short
 def test_the_torchrun_lines_run_in_order_as_written(tmp_path):
     # A temporary folder stands in for the checkout's root, so a checkpoint of the developer's own is not touched.
     first, second = _commands("torchrun")

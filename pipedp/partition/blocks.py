@@ -34,9 +34,10 @@ import torch
 from torch import nn
 
 from ..checks import positive_int
-from .trace import trace
+from .trace import Traced, trace
 
-__all__ = ["CutError", "Block", "blocks_of", "check_chain", "check_one_input", "Chain", "module_mode", "mutates_input"]
+__all__ = ["CutError", "Point", "traced_points", "is_resnet", "Block", "blocks_of", "check_chain", "check_one_input",
+           "Chain", "module_mode", "mutates_input"]
 
 _HOW = "pass an nn.Sequential of the model's parts"
 _RESNET = ("conv1", "bn1", "relu", "layer1", "layer2", "layer3", "layer4", "avgpool", "fc")
@@ -112,7 +113,7 @@ def blocks_of(model: nn.Module, *, depth: int = 1) -> list[Block]:
         if not blocks:
             raise ValueError("the nn.Sequential is empty: there is nothing to run")
         return blocks
-    if _is_resnet(model):
+    if is_resnet(model):
         return _resnet(model)
     return _fx_chain(model)
 
@@ -133,7 +134,7 @@ def _sequential(seq: nn.Sequential, prefix: str, depth: int) -> list[Block]:
     return out
 
 
-def _is_resnet(model: nn.Module) -> bool:
+def is_resnet(model: nn.Module) -> bool:
     mods = dict(model.named_children())
     return all(isinstance(mods.get(n), nn.Module) for n in _RESNET) and all(
         isinstance(mods[f"layer{i}"], nn.Sequential) for i in range(1, 5)
@@ -150,7 +151,20 @@ def _resnet(model: nn.Module) -> list[Block]:
     return blocks
 
 
-def _fx_chain(model: nn.Module) -> list[Block]:
+@dataclass(frozen=True)
+class Point:
+    """The place after one fx node of the forward: the values live there (a cut passes exactly one tensor)."""
+
+    after: torch.fx.Node
+    live: tuple[torch.fx.Node, ...]
+
+    @property
+    def cut(self) -> bool:
+        return len(self.live) == 1 and not _unpacked(self.live[0])
+
+
+def traced_points(model: nn.Module) -> tuple[Traced, list[Point]]:
+    """The model traced (:mod:`pipedp.partition.trace`) and every point between its nodes; CutError if untraceable."""
     name = type(model).__name__
     try:
         with module_mode(model, training=True):  # the mode steps run in; check_chain compares in eval mode
@@ -160,50 +174,54 @@ def _fx_chain(model: nn.Module) -> list[Block]:
             f"cannot cut {name} into blocks: torch.fx could not trace its forward "
             f"(data-dependent control flow or non-traceable code?): {type(e).__name__}: {e}"
         ) from e
-    nodes = list(traced.graph.nodes)
+    nodes = list(traced.module.graph.nodes)
     inputs = [n for n in nodes if n.op == "placeholder"]
     if len(inputs) != 1:
         raise CutError(
             f"cannot cut {name}: its forward takes {len(inputs)} inputs "
             f"({', '.join(n.name for n in inputs)}), a pipeline stage passes exactly one tensor"
         )
-    out_node = nodes[-1]
-    result = out_node.args[0]
+    result = nodes[-1].args[0]
     if not isinstance(result, torch.fx.Node):
         raise CutError(
             f"cannot cut {name}: its forward returns {type(result).__name__} (at fx node 'output'), "
             f"not a single tensor"
         )
-    body = [n for n in nodes if n.op not in ("placeholder", "output", "get_attr")]
+    body = _body(nodes)
     if not body:
         raise CutError(f"cannot cut {name}: its forward does no work")
     order = {n: i for i, n in enumerate(nodes)}
     last_use = {n: max((order[u] for u in n.users), default=-1) for n in nodes}
-    defined = [inputs[0]]
-    cuts: list[tuple[int, torch.fx.Node]] = []  # (index in body after which we cut, live value)
-    fewest: tuple[int, torch.fx.Node, list[torch.fx.Node]] | None = None
-    for i, n in enumerate(body[:-1]):
+    defined, points = [inputs[0]], []
+    for n in body[:-1]:
         defined.append(n)
-        pos = order[n]
-        live = [d for d in defined if last_use[d] > pos]
-        if len(live) == 1 and not _unpacked(live[0]):
-            cuts.append((i, live[0]))
-        if fewest is None or len(live) < len(fewest[2]):
-            fewest = (i, n, live)
-    if not cuts:
-        if fewest is None:
-            return [Block(_label(body), _segment(traced, body, inputs[0], result, name))]
-        _, at, live = fewest
+        points.append(Point(n, tuple(d for d in defined if last_use[d] > order[n])))
+    return traced, points
+
+
+def _body(nodes: list[torch.fx.Node]) -> list[torch.fx.Node]:
+    return [n for n in nodes if n.op not in ("placeholder", "output", "get_attr")]
+
+
+def _fx_chain(model: nn.Module) -> list[Block]:
+    name = type(model).__name__
+    traced, points = traced_points(model)
+    gm = traced.module
+    nodes = list(gm.graph.nodes)
+    body, source, result = _body(nodes), nodes[0], nodes[-1].args[0]
+    cuts = [(i, p.live[0]) for i, p in enumerate(points) if p.cut]  # (index in body after which we cut, value)
+    if not cuts and points:
+        fewest = min(points, key=lambda p: len(p.live))
         raise CutError(
             f"cannot cut {name} into blocks: at every point between its fx nodes several values are live "
-            f"(at best {len(live)} after node '{at.name}': {', '.join(v.name for v in live)}), so no cut passes "
-            f"exactly one tensor"
+            f"(at best {len(fewest.live)} after node '{fewest.after.name}': "
+            f"{', '.join(v.name for v in fewest.live)}), so no cut passes exactly one tensor"
         )
     blocks: list[Block] = []
-    start, value = 0, inputs[0]
+    start, value = 0, source
     for i, live in cuts + [(len(body) - 1, result)]:
         seg = body[start : i + 1]
-        blocks.append(Block(_label(seg), _segment(traced, seg, value, live, name)))
+        blocks.append(Block(_label(seg), _segment(gm, seg, value, live, name)))
         start, value = i + 1, live
     return blocks
 

@@ -27,10 +27,12 @@ import inspect
 import sys
 from typing import Callable, Iterable
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-__all__ = ["trace", "leaf_reason"]
+__all__ = ["trace", "Traced", "leaf_reason"]
 
 # torch.nn classes that hold other modules: their subclasses are traced through, not kept whole.
 _CONTAINERS = (nn.Module, nn.Sequential, nn.ModuleList, nn.ModuleDict)
@@ -85,15 +87,27 @@ def _own_source(cls: type) -> str:
         return ""
 
 
+@dataclass(frozen=True)
+class Traced:
+    """The traced forward, and the modules kept whole beyond torch.nn's own layers (qualified name: why)."""
+
+    module: torch.fx.GraphModule
+    kept_whole: dict[str, str]
+
+
 class _Tracer(torch.fx.Tracer):
     def __init__(self, whole: Iterable[nn.Module], timm_modules: tuple[type, ...],
                  functions: tuple[Callable[..., object], ...]) -> None:
         super().__init__(autowrap_functions=functions)
         self.whole = {id(m) for m in whole}
         self.timm_modules = timm_modules
+        self.kept: dict[str, str] = {}
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return id(m) in self.whole or leaf_reason(m, self.timm_modules) is not None
+        why = "fx cannot trace it" if id(m) in self.whole else leaf_reason(m, self.timm_modules)
+        if why is not None and why != "a torch.nn layer" and module_qualified_name:
+            self.kept[module_qualified_name] = why
+        return why is not None
 
 
 def _defaults(model: nn.Module) -> dict[str, object]:
@@ -127,7 +141,7 @@ def _untraceable(model: nn.Module, tracer: Callable[[Iterable[nn.Module]], _Trac
     return out
 
 
-def trace(model: nn.Module) -> torch.fx.GraphModule:
+def trace(model: nn.Module) -> Traced:
     """``model``'s forward as an fx graph, with the leaves of the module doc kept whole.
 
     Raises what fx raised when the model cannot be traced even with every
@@ -139,15 +153,17 @@ def trace(model: nn.Module) -> torch.fx.GraphModule:
         return _Tracer(whole, timm_modules, functions)
 
     concrete = _defaults(model) or None
+    t = tracer(())
     try:
-        graph = tracer(()).trace(model, concrete_args=concrete)
+        graph = t.trace(model, concrete_args=concrete)
     except Exception:  # noqa: BLE001
         whole = _untraceable(model, tracer)
         if not whole:
             raise
-        graph = tracer(whole).trace(model, concrete_args=concrete)
+        t = tracer(whole)
+        graph = t.trace(model, concrete_args=concrete)
     _drop_held_inputs(graph, set(concrete or ()))
-    return torch.fx.GraphModule(model, graph, class_name=type(model).__name__)
+    return Traced(torch.fx.GraphModule(model, graph, class_name=type(model).__name__), t.kept)
 
 
 def _drop_held_inputs(graph: torch.fx.Graph, held: set[str]) -> None:

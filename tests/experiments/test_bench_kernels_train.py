@@ -12,6 +12,7 @@ from experiments import bench_kernels_train  # noqa: E402
 from tests.model_files import DEPTHWISE_NET as MODEL  # noqa: E402
 
 
+@pytest.mark.slow  # tens of seconds on 2 cores: the slow run (CI runs it) keeps the default suite short
 def test_tunes_then_times_both_runs_on_the_same_batches(tmp_path, capsys):
     (tmp_path / "net.py").write_text(MODEL)
     out = tmp_path / "r.json"

@@ -27,6 +27,7 @@ def _losses(out: str) -> dict[int, float]:
     return {int(s): float(v) for s, v in re.findall(r"^step +(\d+) +loss (\S+)$", out, re.M)}
 
 
+@pytest.mark.slow  # tens of seconds on 2 cores: the slow run (CI runs it) keeps the default suite short
 def test_resume_on_another_world_size_continues_the_same_training(tmp_path):
     whole = _losses(_torchrun(2, "--steps", "6", "--ckpt", str(tmp_path / "whole.pt")).stdout)
     ckpt = str(tmp_path / "run.pt")

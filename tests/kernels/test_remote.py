@@ -66,6 +66,7 @@ def _measure_elsewhere(folder, tmp_path):
     assert "exit 0 compiler []" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
 
 
+@pytest.mark.slow  # tens of seconds on 2 cores: the slow run (CI runs it) keeps the default suite short
 def test_rounds_built_here_and_measured_with_the_runtime_alone_tune_and_export(tmp_path, capsys):
     (tmp_path / "net.py").write_text(MODEL)
     db, folder = tmp_path / "db", tmp_path / "round"

@@ -3,7 +3,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from experiments import zoo
 from pipedp.models import resnet18, resnet50
 from pipedp.partition import Chain, blocks_of, check_chain
 from tests.reference import sequential_cnn
@@ -43,17 +42,6 @@ def test_blocks_share_the_models_parameters():
     model = resnet18(width=8)
     ids = {id(p) for b in blocks_of(model) for p in b.module.parameters()}
     assert ids == {id(p) for p in model.parameters()}
-
-
-def test_torchvision_resnet_when_installed():
-    try:
-        models = zoo.torchvision_models()
-    except ImportError as e:
-        pytest.skip(str(e))
-    model = models.resnet18(num_classes=10)
-    blocks = blocks_of(model)
-    assert [b.name for b in blocks][:4] == ["conv1", "bn1", "relu", "maxpool"]
-    check_chain(model, blocks, torch.randn(2, 3, 64, 64))
 
 
 class FunctionalNet(nn.Module):

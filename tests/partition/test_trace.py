@@ -59,10 +59,12 @@ def test_mode_dependent_subclassed_and_untraceable_modules_are_kept_whole():
     assert leaf_reason(model.norm) == "a subclass of a torch.nn layer"
     assert leaf_reason(model.drop) == "its forward depends on train/eval mode"
     assert leaf_reason(model.pad) is None and leaf_reason(nn.Sequential()) is None
-    graph = trace(model)  # the root's forward traces once SamePad (untraceable alone) is kept whole
-    called = {n.target for n in graph.graph.nodes if n.op == "call_module"}
-    assert {"norm", "pad", "drop"} <= called
-    assert [n.name for n in graph.graph.nodes if n.op == "placeholder"] == ["x"]  # mask, scale held at defaults
+    traced = trace(model)  # the root's forward traces once SamePad (untraceable alone) is kept whole
+    graph = traced.module.graph
+    assert {"norm", "pad", "drop"} <= {n.target for n in graph.nodes if n.op == "call_module"}
+    assert traced.kept_whole == {"norm": "a subclass of a torch.nn layer", "pad": "fx cannot trace it",
+                                 "drop": "its forward depends on train/eval mode"}
+    assert [n.name for n in graph.nodes if n.op == "placeholder"] == ["x"]  # mask, scale held at defaults
 
 
 def test_a_model_with_such_modules_is_cut_and_its_blocks_compute_it_in_both_modes():

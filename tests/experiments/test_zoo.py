@@ -19,7 +19,7 @@ from pipedp.partition.blocks import CutError, blocks_of, check_chain
 
 from experiments import zoo
 
-from .reference import clone, max_diff, plain_steps
+from tests.reference import clone, max_diff, plain_steps
 
 TOL = 1e-5
 FAST_TV = ("resnet18", "mobilenet_v3_small", "shufflenet_v2_x0_5", "squeezenet1_1", "mnasnet0_5",
@@ -62,6 +62,13 @@ def _step_and_compare(make, size: int, *, classes: int) -> None:
         engine.train_step(xb, yb)
     plain_steps(ref, batches, microbatches=2)
     assert max_diff(model, ref) <= TOL
+
+
+def test_torchvision_resnet_is_cut_at_its_stem_blocks_and_head():
+    model = _lib("torchvision").resnet18(num_classes=10)
+    blocks = blocks_of(model)
+    assert [b.name for b in blocks][:4] == ["conv1", "bn1", "relu", "maxpool"] and blocks[-1].name == "fc"
+    check_chain(model, blocks, torch.randn(2, 3, 64, 64))
 
 
 def test_the_list_covers_every_torchvision_cnn_builder():

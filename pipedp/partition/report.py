@@ -1,0 +1,100 @@
+"""``pipedp.inspect``: where a model can be cut, and what keeps it from being cut elsewhere.
+
+Before any training step a user can see what ``stages="auto"`` will find:
+the blocks (stages are contiguous runs of them), the modules kept whole
+while tracing and why, the stretches of the forward where no cut passes
+exactly one tensor (with the values live there), and, for a model that
+cannot be cut at all, the reason it would train as one stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from .blocks import CutError, Point, blocks_of, check_chain, is_resnet, traced_points
+
+__all__ = ["CutReport", "inspect_cut"]
+
+MAX_LISTED = 12  # blocked stretches listed in the text; the rest are counted
+
+
+@dataclass(frozen=True)
+class CutReport:
+    """What :func:`inspect_cut` found (``str()`` prints it)."""
+
+    model: str
+    structure: str  # "nn.Sequential", "ResNet layout", "fx graph"
+    blocks: tuple[str, ...]  # block names in order; the cut points lie between them
+    kept_whole: tuple[tuple[str, str], ...]  # (module, why) kept as one call while tracing
+    blocked: tuple[str, ...]  # stretches of the forward with no cut point, and the values live there
+    reason: str | None = None  # why the model is not cut at all (stages="auto" trains it as one stage)
+
+    def __str__(self) -> str:
+        lines = [f"{self.model} ({self.structure}): "
+                 + (f"{len(self.blocks)} blocks, {max(len(self.blocks) - 1, 0)} cut points"
+                    if self.reason is None else f"not cut: {self.reason}")]
+        if self.blocks and self.reason is None:
+            lines.append("blocks: " + ", ".join(self.blocks))
+        groups: dict[str, list[str]] = {}
+        for m, why in self.kept_whole:
+            groups.setdefault(why, []).append(m)
+        for why, names in groups.items():
+            more = f", ... ({len(names)} modules)" if len(names) > 3 else ""
+            lines.append(f"kept whole ({why}): {', '.join(names[:3])}{more}")
+        lines += [f"no cut: {b}" for b in self.blocked[:MAX_LISTED]]
+        if len(self.blocked) > MAX_LISTED:
+            lines.append(f"no cut: ... and {len(self.blocked) - MAX_LISTED} more stretches")
+        return "\n".join(lines)
+
+
+def _stretches(points: Sequence[Point]) -> list[str]:
+    """Runs of consecutive points without a cut, each with its widest set of live values."""
+    out: list[str] = []
+    run: list[Point] = []
+    for p in [*points, None]:
+        if p is not None and not p.cut:
+            run.append(p)
+            continue
+        if run:
+            widest = max(run, key=lambda q: len(q.live))
+            names = ", ".join(v.name for v in widest.live[:4]) + (", ..." if len(widest.live) > 4 else "")
+            where = (f"after '{run[0].after.name}'" if len(run) == 1
+                     else f"from '{run[0].after.name}' to '{run[-1].after.name}'")
+            why = ("a tuple of pieces is live" if len(widest.live) == 1
+                   else f"up to {len(widest.live)} values live ({names})")
+            out.append(f"{where}: {why}")
+            run = []
+    return out
+
+
+def _structure(model: nn.Module) -> str:
+    if isinstance(model, nn.Sequential):
+        return "nn.Sequential"
+    return "ResNet layout" if is_resnet(model) else "fx graph"
+
+
+def inspect_cut(model: nn.Module, sample: torch.Tensor, *, depth: int = 1) -> CutReport:
+    """Where ``model`` can be cut on ``sample`` (a batch it takes), and what blocks the other places.
+
+    Changes nothing on the model (the check runs in eval mode and restores
+    every module's mode).
+    """
+    name, structure = type(model).__name__, _structure(model)
+    kept: tuple[tuple[str, str], ...] = ()
+    blocked: tuple[str, ...] = ()
+    if structure == "fx graph":
+        try:
+            traced, points = traced_points(model)
+            kept, blocked = tuple(traced.kept_whole.items()), tuple(_stretches(points))
+        except CutError as e:
+            return CutReport(name, structure, (), (), (), e.reason)
+    try:
+        blocks = blocks_of(model, depth=depth)
+        check_chain(model, blocks, sample)
+    except CutError as e:
+        return CutReport(name, structure, (), kept, blocked, e.reason)
+    return CutReport(name, structure, tuple(b.name for b in blocks), kept, blocked)
