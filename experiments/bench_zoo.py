@@ -22,6 +22,8 @@ batch 8 of 64x64 images, CPU):
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import time
 import traceback
@@ -141,8 +143,9 @@ def summary(rows: list[dict[str, object]]) -> dict[str, object]:
 
 
 def markdown(rows: list[dict[str, object]], machine: dict[str, object]) -> str:
-    lines = [f"Machine: {machine}; batch {BATCH}, 64x64 (inception_v3 80x80), fp32; exact: max difference after 2 "
-             f"steps vs plain PyTorch with the same microbatches (contract <= {TOL:g}).", "",
+    lines = [f"Machine: {machine}; batch {BATCH}, 64x64 (Inceptions 96x96, timm's fixed-size models theirs), fp32; "
+             f"exact: max difference after 2 steps vs plain PyTorch with the same microbatches (contract <= {TOL:g}); "
+             f"rows marked * were run again by name after the full run (`--update`).", "",
              "| library | model | M params | wraps (defaults) | plan s | cut | blocks | 2-stage balance | "
              "4-stage balance | exact 2 | exact 4 | why not |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
@@ -151,7 +154,7 @@ def markdown(rows: list[dict[str, object]], machine: dict[str, object]) -> str:
 
     for r in rows:
         why = r.get("wrap_error") or r.get("why_not_cut") or r.get("error2") or r.get("error4") or ""
-        lines.append(f"| {r['library']} | {r['model']} | {f(r.get('params_m'))} | {'yes' if r.get('wraps') else 'no'} "
+        lines.append(f"| {r['library']} | {r['model']}{' *' if r.get('rerun') else ''} | {f(r.get('params_m'))} | {'yes' if r.get('wraps') else 'no'} "
                      f"| {f(r.get('plan_s'), '{:.1f}')} | {'yes' if r.get('cut') else 'no'} | {f(r.get('blocks'))} "
                      f"| {f(r.get('balance2'))} | {f(r.get('balance4'))} | {f(r.get('exact2'), '{:.1e}')} "
                      f"| {f(r.get('exact4'), '{:.1e}')} | {str(why).replace('|', '/')[:160]} |")
@@ -162,12 +165,18 @@ def markdown(rows: list[dict[str, object]], machine: dict[str, object]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _all() -> list[tuple[str, str]]:
+    return [("torchvision", n) for n in zoo.TORCHVISION] + [("timm", n) for n in zoo.TIMM]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--library", choices=("torchvision", "timm", "all"), default="all")
     p.add_argument("--models", default=None, help="comma list (default: the zoo's list, without the too-big ones)")
     p.add_argument("--out", default=None)
     p.add_argument("--md", default=None)
+    p.add_argument("--update", action="store_true", help="keep the rows already in --out and replace those of the "
+                   "models run now (marked as run again), e.g. after a fix")
     args = p.parse_args(argv)
     libs = ("torchvision", "timm") if args.library == "all" else (args.library,)
     todo = []
@@ -176,6 +185,10 @@ def main(argv: list[str] | None = None) -> int:
             [n for n in zoo.TORCHVISION if n not in zoo.TOO_BIG] if lib == "torchvision" else list(zoo.TIMM))
         todo += [(lib, n) for n in names]
     machine = describe("cpu")
+    kept: list[dict[str, object]] = []
+    if args.update and args.out and os.path.exists(args.out):
+        with open(args.out) as f:
+            kept = json.load(f)["rows"]
     rows: list[dict[str, object]] = []
     for i, (lib, name) in enumerate(todo, 1):
         t0 = time.perf_counter()
@@ -185,17 +198,22 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc(limit=2)
             row = {"library": lib, "model": name, "wraps": False, "wrap_error": f"{type(e).__name__}: {e}"[:400]}
         row["seconds"] = round(time.perf_counter() - t0, 1)
+        row["rerun"] = bool(kept)
         rows.append(row)
         print(f"[{i}/{len(todo)}] {lib} {name}: wraps={row.get('wraps')} cut={row.get('cut')} "
               f"exact2={row.get('exact2')} exact4={row.get('exact4')} ({row['seconds']} s) "
               f"{row.get('wrap_error') or row.get('why_not_cut') or row.get('error2') or ''}"[:300], flush=True)
+        done = {(r["library"], r["model"]) for r in rows}
+        merged = [r for r in kept if (r["library"], r["model"]) not in done] + rows
+        order = {(lib, n): k for k, (lib, n) in enumerate(_all())}
+        merged.sort(key=lambda r: order.get((r["library"], r["model"]), len(order)))
         data = {"benchmark": "bench_zoo", "machine": machine, "torch": torch.__version__, "batch": BATCH,
-                "rows": rows, "summary": summary(rows)}
+                "rows": merged, "summary": summary(merged)}
         if args.out:
             write_json(args.out, data)
         if args.md:
-            write_text(args.md, markdown(rows, machine))
-    print(summary(rows))
+            write_text(args.md, markdown(merged, machine))
+    print(summary(merged))
     return 0
 
 

@@ -295,11 +295,14 @@ def check_chain(model: nn.Module, blocks: list[Block], sample: torch.Tensor) -> 
     return non-tensors. Each block after the first gets its input as a fresh
     leaf that requires grad, as a pipeline stage would; a block that modifies
     that input in place (e.g. ``ReLU(inplace=True)`` right after a cut) is
-    reported, so a stage starting with it can take a copy of its input.
+    reported, so a stage starting with it can take a copy of its input; so
+    is a block that hands its input on as it is (an ``Identity``, a view)
+    to one that modifies it, as the same input reaches that one.
     A model output with NaN/inf cannot be compared, so it is refused as such
     (naming where the NaN/inf first appears) rather than passed unchecked.
     """
     flags: list[bool] = []
+    passes: list[bool] = []  # the block returns its input itself, or a view of it
     first_bad: str | None = None  # the first block whose output is not finite
     with module_mode(model, training=False):
         with torch.no_grad():
@@ -320,8 +323,11 @@ def check_chain(model: nn.Module, blocks: list[Block], sample: torch.Tensor) -> 
                     f"block '{b.name}' of {type(model).__name__} returns {type(y).__name__}, not a tensor; "
                     f"only a single tensor can pass between stages"
                 )
+            passes.append(y is x or y._base is x)
             if first_bad is None and not _finite(y):
                 first_bad = b.name
+    for i in range(len(flags) - 2, -1, -1):
+        flags[i] = flags[i] or (passes[i] and flags[i + 1])
     y = y.detach()
     _check_output(model, ref, sample, first_bad)
     if ref.shape != y.shape or not torch.allclose(ref.float(), y.float(), rtol=1e-4, atol=1e-5):

@@ -250,3 +250,10 @@ def test_no_cut_passes_a_tuple_of_pieces_the_cut_falls_where_they_are_joined():
     blocks = blocks_of(model)
     assert len(blocks) >= 3 and not any(b.name.endswith("chunk") or b.name.endswith("split") for b in blocks)
     check_chain(model, blocks, torch.randn(2, 3, 8, 8))
+
+
+def test_a_block_handing_its_input_on_to_one_that_modifies_it_is_flagged_too():
+    # Identity then an in-place ReLU: a stage starting at the Identity gets its input modified by the ReLU.
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Identity(), nn.ReLU(inplace=True), nn.Flatten(),
+                          nn.ReLU(inplace=True), nn.Linear(4 * 6 * 6, 2))
+    assert check_chain(model, blocks_of(model), torch.randn(2, 3, 8, 8)) == [False, True, True, True, True, False]
