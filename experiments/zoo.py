@@ -57,7 +57,7 @@ TOO_BIG = ("regnet_y_128gf", "regnet_y_32gf", "regnet_x_32gf", "regnet_y_16gf", 
            "wide_resnet101_2", "convnext_large", "convnext_base", "efficientnet_v2_l", "efficientnet_v2_m",
            "efficientnet_b7", "efficientnet_b6", "alexnet")
 
-# timm: 64 models of 40 families, fixed before cutting was made robust for them (small variants).
+# timm: 64 models of 34 families (timm modules), fixed before cutting was made robust for them (small variants).
 TIMM = (
     "resnet18", "resnet50d", "resnetv2_50", "seresnet18", "resnext26ts", "regnetx_002", "regnety_002",
     "regnetz_b16", "efficientnet_b0", "efficientnet_lite0", "tf_efficientnet_b0", "tf_efficientnetv2_b0",

@@ -168,3 +168,17 @@ def test_first_calls_that_count_still_give_the_bar_its_best_timing():
     table = {"plain": 10.0, "plain channels_last": [12.0, 8.0, 8.0], "1x2 channels_last": 7.95}
     d, _ = run(space(microbatches=(1, 2)), table, warm_counts=True)
     assert d.bar_ms == 8.0 and d.config == Config((4,), 1, channels_last=True)
+
+
+def test_a_runner_up_timed_once_and_close_to_the_fastest_plan_is_timed_again():
+    # Steps of seconds and a 30 s budget: one timed step per trial. One noisy step had 1x4 slower than 1x2;
+    # its second timing shows it is the faster plan.
+    table = {"plain": 3000.0, "plain channels_last": 2800.0, "1x2 channels_last": [1900.0, 1880.0],
+             "1x4 channels_last": [2200.0, 1650.0], "1x8 channels_last": 2400.0}
+    d, clock = run(space(microbatches=(1, 2, 4, 8)), table, budget_s=30.0, warm_counts=True)
+    assert clock.seen.count("1x4 channels_last") == 1 and clock.calls["1x4 channels_last"] >= 2
+    assert d.chosen == "1x4 channels_last" and dict(d.trials)["1x4 channels_last"] == 1650.0
+    # Far behind the fastest (more than RETIME_PLANS): not timed again.
+    table["1x4 channels_last"] = [2600.0, 1650.0]
+    d, clock = run(space(microbatches=(1, 2, 4, 8)), table, budget_s=30.0, warm_counts=True)
+    assert clock.calls["1x4 channels_last"] == 1 and d.chosen == "1x2 channels_last"
