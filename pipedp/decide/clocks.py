@@ -80,9 +80,12 @@ class DeviceClock:
         """Make ``config``'s run and call it once (allocation, compilation, capture).
 
         Returns that call's ms per step where it is a step like the later ones:
-        eager on a CPU, where nothing is compiled, captured or autotuned and
-        the first call runs as fast as the next (ResNet-18, batch 128, 2-core
-        EPYC: within the spread of later calls). Else None.
+        the user's own eager step on a CPU, where nothing is compiled,
+        captured or autotuned and a first call on the whole batch runs as
+        fast as the next (ResNet-18, batch 128, 2-core EPYC: within the
+        spread of later calls). Else None: a plan's first call on microbatch
+        shapes pays their setup (allocations, oneDNN primitives) at a larger
+        share (MobileNetV2, microbatches of 32: 1.6x a later call).
         """
         t0 = time.perf_counter()
         _, undo = self._ready(config)
@@ -90,7 +93,8 @@ class DeviceClock:
         self.model.zero_grad(set_to_none=True)
         if undo is not None:
             undo()
-        counts = self.devices[0].type == "cpu" and not config.compiled and not self.options.cuda_graph
+        counts = (self.devices[0].type == "cpu" and config.own and not config.compiled
+                  and not self.options.cuda_graph)
         return ms if counts else None
 
     def measure(self, config: Config, steps: int) -> float:

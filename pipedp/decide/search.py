@@ -42,8 +42,9 @@ class Measure(Protocol):
     ``warm(config)`` makes it and runs it once (allocates, compiles,
     captures): the search reads that cost off its own clock before it
     decides how many steps to time. Where the first call needs no warming
-    (eager on a CPU: no compile, no capture, no autotuning) it is a step like
-    any other and ``warm`` returns its ms, so that it counts as the trial's
+    (the user's own eager step on a CPU: no compile, no capture, no
+    autotuning, shapes of the whole batch) it is a step like any other and
+    ``warm`` returns its ms, so that it counts as the trial's
     first timed step - where a step takes seconds that halves a trial's cost;
     elsewhere it returns None. ``measure(config, steps)`` gives ms per
     forward+backward step over ``steps`` timed steps.
