@@ -36,9 +36,9 @@ import pipedp
 from pipedp.partition.balance import balance, stage_costs
 from pipedp.partition.blocks import CutError, blocks_of, check_chain
 from pipedp.partition.profile import profile_blocks
-from pipedp.pipeline import microbatch
 
 from . import zoo
+from .baselines import accum_step, numerics
 from .machine import describe
 from .report import write_json, write_text
 
@@ -47,14 +47,9 @@ BATCH = 8
 
 
 def _plain(model: nn.Module, batches, m: int) -> None:
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    loss_fn = nn.CrossEntropyLoss()
+    step = accum_step(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), numerics("fp32"), m)
     for x, y in batches:
-        opt.zero_grad(set_to_none=True)
-        xs, ys = microbatch.split(x, m), microbatch.split(y, m)
-        for xi, yi, w in zip(xs, ys, microbatch.shares([t.shape[0] for t in xs])):
-            (loss_fn(model(xi), yi) * w).backward()
-        opt.step()
+        step(x, y)
 
 
 def _diff(a: nn.Module, b: nn.Module) -> float:

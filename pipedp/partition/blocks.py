@@ -36,7 +36,7 @@ from torch import nn
 from ..checks import positive_int
 from .trace import Traced, trace
 
-__all__ = ["CutError", "Point", "traced_points", "is_resnet", "Block", "blocks_of", "check_chain", "check_one_input",
+__all__ = ["CutError", "Point", "traced_points", "fx_blocks", "is_resnet", "Block", "blocks_of", "check_chain", "check_one_input",
            "Chain", "module_mode", "mutates_input"]
 
 _HOW = "pass an nn.Sequential of the model's parts"
@@ -204,8 +204,11 @@ def _body(nodes: list[torch.fx.Node]) -> list[torch.fx.Node]:
 
 
 def _fx_chain(model: nn.Module) -> list[Block]:
-    name = type(model).__name__
-    traced, points = traced_points(model)
+    return fx_blocks(type(model).__name__, *traced_points(model))
+
+
+def fx_blocks(name: str, traced: Traced, points: list[Point]) -> list[Block]:
+    """The blocks of a traced forward: its pieces between the cut points; CutError where there is none."""
     gm = traced.module
     nodes = list(gm.graph.nodes)
     body, source, result = _body(nodes), nodes[0], nodes[-1].args[0]

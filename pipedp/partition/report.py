@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .blocks import CutError, Point, blocks_of, check_chain, is_resnet, traced_points
+from .blocks import CutError, Point, blocks_of, check_chain, fx_blocks, is_resnet, traced_points
 
 __all__ = ["CutReport", "inspect_cut"]
 
@@ -86,14 +86,13 @@ def inspect_cut(model: nn.Module, sample: torch.Tensor, *, depth: int = 1) -> Cu
     name, structure = type(model).__name__, _structure(model)
     kept: tuple[tuple[str, str], ...] = ()
     blocked: tuple[str, ...] = ()
-    if structure == "fx graph":
-        try:
+    try:
+        if structure == "fx graph":  # traced once: the blocks and the report's details from the same graph
             traced, points = traced_points(model)
             kept, blocked = tuple(traced.kept_whole.items()), tuple(_stretches(points))
-        except CutError as e:
-            return CutReport(name, structure, (), (), (), e.reason)
-    try:
-        blocks = blocks_of(model, depth=depth)
+            blocks = fx_blocks(name, traced, points)
+        else:
+            blocks = blocks_of(model, depth=depth)
         check_chain(model, blocks, sample)
     except CutError as e:
         return CutReport(name, structure, (), kept, blocked, e.reason)
