@@ -224,8 +224,6 @@ class Engine:
                 f"the batch is empty (x has shape {tuple(x.shape)}): there is nothing to train on. Skip empty "
                 f"batches, or check what produced it (a sampler or filter that selected no samples)"
             )
-        if isinstance(self.microbatches, int):  # "auto" chooses a count the batch allows
-            microbatch.sizes(x.shape[0], self.microbatches)  # clear error for a batch too small
         self._follow_changes()
         runner = self._runner_for(x)
         ex = runner.pipe.executor
@@ -234,7 +232,9 @@ class Engine:
         if ex.is_last:
             y = y.to(ex.stages[-1].device, non_blocking=True)
         trace_path, self._trace_path = self._trace_path, None
-        measuring = 1 <= self.steps <= self.options.measure_steps
+        # A small batch's step (fewer microbatches) is not one the plan's per-microbatch times describe.
+        full = microbatch.count(x.shape[0], runner.microbatches) == runner.microbatches
+        measuring = 1 <= self.steps <= self.options.measure_steps and full
         clock = Clock(ex.devices) if trace_path is not None else None
         timer = StepTimer(len(ex.stages), clock) if measuring or clock is not None else None
         loss = runner.step(x, y, self.steps, timer)
@@ -268,11 +268,7 @@ class Engine:
         ex = pipe.executor
         if ex.is_first:
             x = in_layout(x.to(ex.stages[0].device, non_blocking=True), pipe.channels_last)
-        if x.shape[0] < self.microbatches and len(ex.stages) == ex.n:  # too small to pipeline: stages in turn
-            for st in ex.stages:
-                x = st(x.to(st.device))
-            return x
-        outs = ex.forward(microbatch.split(x, self.microbatches))
+        outs = ex.forward(microbatch.split(x, microbatch.count(x.shape[0], ex.microbatches)))
         return microbatch.gather(outs) if ex.is_last else None  # type: ignore[return-value]
 
     def close(self) -> None:

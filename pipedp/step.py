@@ -125,7 +125,8 @@ class StepRunner:
 
     def _forward_backward(self, x: torch.Tensor, y: torch.Tensor, timer: StepTimer | None = None) \
             -> torch.Tensor | None:
-        xs, ys = microbatch.split(x, self.microbatches), microbatch.split(y, self.microbatches)
+        k = microbatch.count(x.shape[0], self.microbatches)
+        xs, ys = microbatch.split(x, k), microbatch.split(y, k)
         weights = microbatch.shares([t.shape[0] for t in xs])
         if self.pipe.batchnorm is not None:
             self.pipe.batchnorm.begin()

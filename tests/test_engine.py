@@ -6,6 +6,7 @@ from torch import nn
 
 import pipedp
 from pipedp.models import resnet18, resnet50
+from pipedp.pipeline import microbatch
 from tests.reference import clone, data, max_diff, plain_steps, sequential_cnn
 
 TOL = 1e-5
@@ -281,10 +282,47 @@ def test_optimizer_on_other_parameters_is_rejected():
         pipedp.wrap(sequential_cnn(), optimizer=torch.optim.SGD(other.parameters(), lr=0.1))
 
 
+def _plain_varying(model, batches, lr=0.05):
+    """Plain SGD-momentum steps, each batch in the microbatches pipedp runs it in (``microbatch.count``)."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    for x, y in batches:
+        opt.zero_grad(set_to_none=True)
+        k = microbatch.count(x.shape[0], 4)
+        for xi, yi, w in zip(microbatch.split(x, k), microbatch.split(y, k), microbatch.shares(
+                [t.shape[0] for t in microbatch.split(x, k)])):
+            (nn.functional.cross_entropy(model(xi), yi) * w).backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages", [2, 3])
+def test_a_batch_too_small_for_the_microbatches_trains_with_fewer_and_exactly(schedule, stages):
+    """An epoch's last batch may hold 2 to 7 samples: it trains (microbatches of >= 2 samples) as plain does."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                          nn.BatchNorm2d(8), nn.Flatten(), nn.Linear(8, 10))  # a BatchNorm over a 1x1 map
+    ref = clone(model)
+    engine = engine_for(model, microbatches=4, stages=stages, schedule=schedule)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, 10, (n,), generator=g))
+               for n in (12, 7, 3, 12, 2, 5)]  # (1 sample: plain training fails on the 1x1 BatchNorm too)
+    for x, y in batches:
+        assert torch.isfinite(engine.train_step(x, y))
+    _plain_varying(ref, batches)
+    assert max_diff(model, ref) <= TOL
+    assert engine.plan.microbatches == 4  # the plan is the full batches'
+
+
+def test_a_small_planning_batch_plans_fewer_microbatches_and_says_so():
+    engine = engine_for(sequential_cnn(), microbatches=4, stages=2)
+    engine.train_step(torch.randn(5, 3, 8, 8), torch.zeros(5, dtype=torch.long))
+    assert engine.plan.microbatches == 2
+    assert engine.plan.notes[0].startswith("microbatches=4: 2, as the planning batch has 5 samples")
+    assert torch.isfinite(engine.train_step(torch.randn(1, 3, 8, 8), torch.zeros(1, dtype=torch.long)))
+
+
 def test_train_step_input_errors():
     engine = engine_for(sequential_cnn(), microbatches=4, stages=2)
-    with pytest.raises(ValueError, match="batch of 3 samples cannot be split into 4 microbatches"):
-        engine.train_step(torch.randn(3, 3, 8, 8), torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match="share the batch dimension"):
         engine.train_step(torch.randn(8, 3, 8, 8), torch.zeros(6, dtype=torch.long))
     bare = pipedp.wrap(sequential_cnn(), microbatches=2, profile=False, progress=False)

@@ -30,6 +30,7 @@ from ..partition.blocks import module_mode
 from ..partition.balance import balance
 from ..partition.profile import BlockProfile, estimate_blocks, profile_blocks
 from ..partition.threads import concurrent_cpu
+from ..pipeline import microbatch
 from ..pipeline.stage import Stage
 from ..snapshot import preserved_state
 from .clocks import DeviceClock
@@ -46,10 +47,14 @@ COMPILE_S_PER_LEAF = 0.5  # a first torch.compile (forward and backward) per lea
 
 
 def microbatch_choices(options: PipelineOptions, batch: int) -> list[int]:
-    """The microbatch counts the plan may have: the user's, or all of AUTO_MICROBATCHES that fit the batch."""
+    """The microbatch counts the plan may have: the user's, or all of AUTO_MICROBATCHES that fit the batch.
+
+    Both as a step of this batch runs them (:func:`~pipedp.pipeline.microbatch.count`):
+    a first batch too small for the user's count plans with fewer.
+    """
     if options.microbatches == "auto":
-        return [m for m in AUTO_MICROBATCHES if m <= batch]
-    return [int(options.microbatches)]
+        return [m for m in AUTO_MICROBATCHES if microbatch.count(batch, m) == m]
+    return [microbatch.count(batch, int(options.microbatches))]
 
 
 def timed(options: PipelineOptions, devices: Sequence[torch.device], pp: int, world: int = 1) -> bool:
@@ -116,6 +121,10 @@ def decide(parts: Parts, model: nn.Module, sample: torch.Tensor, batch: torch.Te
     """
     budget = Budget(options.plan_budget_s, now)
     choices = microbatch_choices(options, batch.shape[0])
+    small = [] if options.microbatches == "auto" or choices[0] == options.microbatches else [
+        f"microbatches={options.microbatches}: {choices[0]}, as the planning batch has {batch.shape[0]} samples "
+        f"(at least {microbatch.MIN_SAMPLES} per microbatch); plan on a full batch (wrap's sample=) for "
+        f"{options.microbatches}"]
     pieces = concurrency is not None and (concurrency.branches or concurrency.split_grads)
     # Trials run backward: also when the plan is made by an inference call under no_grad.
     with preserved_state(model, devices), module_mode(model, training=True), torch.enable_grad():
@@ -141,7 +150,7 @@ def decide(parts: Parts, model: nn.Module, sample: torch.Tensor, batch: torch.Te
             decision = _predicted(profiles, options, devices, comm, training, choices, batch.shape[0])
             if pieces:
                 decision = replace(decision, config=replace(decision.config, concurrent=True))
-    return list(profiles), replace(decision, planning_s=budget.spent())
+    return list(profiles), replace(decision, notes=(*small, *decision.notes), planning_s=budget.spent())
 
 
 def _timed(space: Space, clock: Measure, budget: Budget, options: PipelineOptions, device: torch.device,

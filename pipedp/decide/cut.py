@@ -18,6 +18,7 @@ import torch
 
 from ..partition.balance import balance
 from ..partition.profile import BlockProfile
+from ..pipeline import microbatch
 from ..pipeline.schedule import Action, get_schedule
 from ..pipeline.simulate import Simulation, simulate
 from ..plan import Plan, StagePlan
@@ -183,7 +184,7 @@ def untimed_microbatches(stages: int, batch: int) -> int:
     """
     if stages == 1:
         return 1
-    return max(m for m in AUTO_MICROBATCHES if m <= max(batch, 1))
+    return max(m for m in AUTO_MICROBATCHES if microbatch.count(max(batch, 1), m) == m)
 
 
 def build_plan(

@@ -1,10 +1,10 @@
 """Microbatching, schedules as data, the dry-run simulator and the stream executor."""
 
-from .microbatch import gather, shares, sizes, split
+from .microbatch import count, gather, shares, sizes, split
 from .schedule import SCHEDULES, Action, forward_only, get_schedule, gpipe, one_f_one_b
 from .simulate import ScheduleError, Simulation, simulate
 
 __all__ = [
-    "gather", "shares", "sizes", "split", "SCHEDULES", "Action", "forward_only", "get_schedule",
+    "count", "gather", "shares", "sizes", "split", "SCHEDULES", "Action", "forward_only", "get_schedule",
     "gpipe", "one_f_one_b", "ScheduleError", "Simulation", "simulate",
 ]

@@ -153,6 +153,7 @@ class Executor:
         self.train_order = [(s, a) for s, a in train if s in mine]
         self.infer_order = [(s, a) for s, a in infer if s in mine]
         self.last_backward = {s: [a for a in schedule[s] if a.kind == "B"][-1].microbatch for s in mine}
+        self._fewer: dict[int, tuple[list[tuple[int, Action]], list[tuple[int, Action]], dict[int, int]]] = {}
         self.is_first, self.is_last = 0 in mine, n - 1 in mine
         # With their indices: _move compares them with tensors' devices and looks copy lanes up by them.
         self.devices = list(dict.fromkeys(canonical_device(s.device) for s in self.stages))
@@ -215,12 +216,12 @@ class Executor:
         return out
 
     def _act(self, s: int, act: Action, step: "_Step", sync: GradSyncLike | None,
-             update: StageUpdateLike | None = None) -> None:
+             update: StageUpdateLike | None, last_backward: dict[int, int]) -> None:
         with self.local[s].lane.use():
             if act.kind == "F":
                 step.forward(s, act.microbatch)
                 return
-            last = act.microbatch == self.last_backward[s]
+            last = act.microbatch == last_backward[s]
             if last and sync is not None:
                 sync.arm(self.pos[s])
             step.backward(s, act.microbatch)
@@ -229,25 +230,45 @@ class Executor:
             if last and update is not None:
                 update.stage_done(self.pos[s])
 
-    def _run(self, order: list[tuple[int, Action]], step: "_Step", sync: GradSyncLike | None = None,
-             update: StageUpdateLike | None = None) -> None:
+    def _run(self, order: list[tuple[int, Action]], last: dict[int, int], step: "_Step",
+             sync: GradSyncLike | None = None, update: StageUpdateLike | None = None) -> None:
         self._fork()
         if self.workers:
             flight = Flight()
             for s, act in order:
                 after = [(s - 1, act)] if act.kind == "F" else [(s + 1, act)]
                 flight.submit(self.local[s].lane.worker, (s, act),
-                              lambda s=s, act=act: self._act(s, act, step, sync, update),
+                              lambda s=s, act=act: self._act(s, act, step, sync, update, last),
                               after=after, label=f"stage {s} ({self.local[s].names[-1]}), {act}")
             flight.wait()
         else:
             for s, act in order:
-                self._act(s, act, step, sync, update)
+                self._act(s, act, step, sync, update, last)
         if self.transport is not None:
             self.transport.flush()
         if update is not None:
             update.join()
         self._join()
+
+    def orders(self, k: int) -> tuple[list[tuple[int, Action]], list[tuple[int, Action]], dict[int, int]]:
+        """Training order, inference order and last backward per local stage of a step of ``k`` microbatches.
+
+        ``k`` is at most the schedule's count (a batch too small for it, see
+        :func:`~pipedp.pipeline.microbatch.count`): the actions of the first
+        ``k`` microbatches in the schedule's order. A subsequence of a valid
+        order is valid, as every dependency links actions of one microbatch;
+        pipeline ranks, each deriving ``k`` from the same batch size, keep
+        matching sends and receives.
+        """
+        if k == self.microbatches:
+            return self.train_order, self.infer_order, self.last_backward
+        if not 1 <= k < self.microbatches:
+            raise ValueError(f"a step of this pipeline runs 1 to {self.microbatches} microbatches, got {k}")
+        if k not in self._fewer:
+            train = [(s, a) for s, a in self.train_order if a.microbatch < k]
+            infer = [(s, a) for s, a in self.infer_order if a.microbatch < k]
+            self._fewer[k] = train, infer, {s: a.microbatch for s, a in train if a.kind == "B"}
+        return self._fewer[k]
 
     # -- training -------------------------------------------------------------------------------
     def train(
@@ -272,11 +293,12 @@ class Executor:
         follows it (an early optimizer update). Returns None on a rank
         without the last stage.
         """
-        m = self.microbatches
-        if not (len(xs) == len(ys) == len(weights) == m):
-            raise ValueError(f"expected {m} microbatches, got {len(xs)} inputs and {len(ys)} targets")
+        if not len(xs) == len(ys) == len(weights):
+            raise ValueError(f"got {len(xs)} inputs, {len(ys)} targets and {len(weights)} weights: one each per "
+                             f"microbatch")
+        order, _, last = self.orders(len(xs))
         step = _Step(self, xs, ys, weights, loss_fn, timer, loss_scale)
-        self._run(self.train_order, step, sync, update)
+        self._run(order, last, step, sync, update)
         if step.total is not None:
             current_lane(self.stages[-1].device).keep(step.total)
         return step.total
@@ -289,11 +311,9 @@ class Executor:
         return what ``loss_fn`` takes (a tuple, a dict; see
         :func:`~pipedp.pipeline.microbatch.gather`).
         """
-        m = self.microbatches
-        if len(xs) != m:
-            raise ValueError(f"expected {m} microbatches, got {len(xs)}")
+        _, order, last = self.orders(len(xs))
         step = _Step(self, xs, None, None, None, None)
-        self._run(self.infer_order, step)
+        self._run(order, last, step)
         if not self.is_last:
             return []
         cur = current_lane(self.stages[-1].device)
@@ -321,7 +341,7 @@ class _Step:
 
     def __init__(self, ex: Executor, xs, ys, weights, loss_fn: LossFn | None, timer: StepTimer | None,
                  loss_scale: torch.Tensor | None = None) -> None:
-        n, m = ex.n, ex.microbatches
+        n, m = ex.n, len(xs)
         self.ex, self.xs, self.ys, self.weights, self.loss_fn, self.timer = ex, xs, ys, weights, loss_fn, timer
         self.loss_scale = loss_scale
         self.inputs: list[list[torch.Tensor | None]] = [[None] * m for _ in range(n)]

@@ -14,7 +14,26 @@ import torch
 
 from ..checks import positive_int
 
-__all__ = ["sizes", "split", "gather", "shares"]
+__all__ = ["count", "sizes", "split", "gather", "shares"]
+
+MIN_SAMPLES = 2  # per microbatch, where the batch has them: a BatchNorm in training needs more than one value
+
+
+def count(batch: int, planned: int) -> int:
+    """The microbatches a step of ``batch`` samples runs: the plan's ``planned``, fewer for a small batch.
+
+    A microbatch holds at least :data:`MIN_SAMPLES` samples where the batch
+    has them: a BatchNorm over a 1x1 map (the end of most CNNs, their
+    squeeze-excitation) cannot train on one sample, while plain training of the
+    same batch can. So a batch smaller than ``2 * planned`` (the last one of an
+    epoch, a small first batch) is split into ``batch // 2`` microbatches, and
+    a batch of 1 to 3 samples runs as one: never refused for being small.
+    """
+    positive_int("microbatches", planned)
+    if batch < 1:
+        raise ValueError(f"the batch is empty ({batch} samples): there is nothing to split into microbatches. Skip "
+                         f"empty batches, or check what produced it")
+    return max(1, min(planned, batch // MIN_SAMPLES))
 
 
 def sizes(batch: int, microbatches: int) -> list[int]:

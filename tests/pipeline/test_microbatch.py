@@ -3,7 +3,7 @@ from collections import namedtuple
 import pytest
 import torch
 
-from pipedp.pipeline import gather, shares, sizes, split
+from pipedp.pipeline import count, gather, shares, sizes, split
 
 
 def test_sizes_differ_by_at_most_one():
@@ -24,6 +24,13 @@ def test_split_is_views_and_gather_restores():
 def test_batch_smaller_than_microbatches_is_a_clear_error():
     with pytest.raises(ValueError, match="batch of 3 samples cannot be split into 4 microbatches"):
         split(torch.zeros(3, 2), 4)
+
+
+def test_count_keeps_two_samples_per_microbatch_and_never_refuses_a_small_batch():
+    assert [count(b, 4) for b in (1, 2, 3, 4, 5, 7, 8, 9, 100)] == [1, 1, 1, 2, 2, 3, 4, 4, 4]
+    assert count(1, 1) == 1 and count(64, 8) == 8
+    with pytest.raises(ValueError, match="empty"):
+        count(0, 4)
 
 
 def test_split_rejects_scalars_and_non_tensors():

@@ -187,8 +187,8 @@ def test_a_failed_wrap_puts_the_swapped_layers_back(exported):  # noqa: F811
     _, db = exported
     net = _net()
     assert pipedp.wrap(copy.deepcopy(net), kernels="tvm", kernel_db=str(db), **OPTS).kernel_layers == 2  # it swaps
-    with pytest.raises(ValueError, match="cannot be split into 2 microbatches"):
-        pipedp.wrap(net, kernels="tvm", kernel_db=str(db), sample=(1, 3, 16, 16), **OPTS)
+    with pytest.raises(RuntimeError, match="to have 3 channels, but got 5"):  # fails in planning, after the swap
+        pipedp.wrap(net, kernels="tvm", kernel_db=str(db), sample=(4, 5, 16, 16), **OPTS)
     assert _untouched(net)
 
 
@@ -199,8 +199,8 @@ def test_a_failed_wrap_restores_an_earlier_engines_kernel_choice():
     for m in _depthwise(net):
         m.__class__ = TunedDepthwiseConv2d  # what an earlier wrap(kernels="tvm") left
         m.kernels = earlier
-    with pytest.raises(ValueError, match="cannot be split into 2 microbatches"):
-        pipedp.wrap(net, kernels="torch", sample=(1, 3, 16, 16), **OPTS)
+    with pytest.raises(RuntimeError, match="to have 3 channels, but got 5"):
+        pipedp.wrap(net, kernels="torch", sample=(4, 5, 16, 16), **OPTS)
     assert all(type(m) is TunedDepthwiseConv2d and m.kernels is earlier for m in _depthwise(net))
 
 
