@@ -88,7 +88,9 @@ class PipelineOptions:
     microbatch (the plain step) is among the choices; elsewhere one microbatch
     for one stage, else the most of 1, 2, 4, 8 the batch allows. The number
     chosen is ``engine.plan.microbatches``; with ``batchnorm="microbatch"``
-    the BatchNorm statistics are those of the chosen microbatches. ``profile``:
+    the BatchNorm statistics are those of the chosen microbatches. A batch
+    smaller than twice that runs as ``batch // 2`` microbatches (at least two
+    samples each, see :func:`pipedp.pipeline.microbatch.count`). ``profile``:
     measure block times, or use the FLOP/byte cost model. ``depth``: levels of
     nested ``nn.Sequential`` to cut into. ``measure_steps``: training steps
     timed per stage for ``engine.plan``. ``cuda_graph``: on one CUDA device,

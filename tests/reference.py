@@ -71,3 +71,21 @@ def data(n: int = 10, size: int = 16, classes: int = 10, seed: int = 0, steps: i
 
 def clone(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
+
+
+class TwoPaths(nn.Module):
+    """Two branches side by side for six layers each (as HRNet's), joined at the end: no one-tensor point."""
+
+    def __init__(self, layers: int = 6):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.a = nn.ModuleList([nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+                                for _ in range(layers)])
+        self.b = nn.ModuleList([nn.Sequential(nn.Conv2d(8, 8, 1), nn.ReLU(inplace=True)) for _ in range(layers)])
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x):
+        a = b = self.stem(x)
+        for la, lb in zip(self.a, self.b):
+            a, b = la(a), lb(b)
+        return self.head((a + b).mean((2, 3)))

@@ -11,7 +11,7 @@ from torch import nn
 
 import pipedp
 from pipedp.models import resnet18, resnet50
-from tests.reference import clone, data, max_diff, plain_steps, sequential_cnn
+from tests.reference import TwoPaths, clone, data, max_diff, plain_steps, sequential_cnn
 
 pytestmark = [
     pytest.mark.cuda,
@@ -75,6 +75,20 @@ def test_streams_equal_plain_training(schedule, stages):
         assert len(lanes) == stages  # every stage on its own stream
         plain_steps(ref, batches, microbatches=microbatches)
         assert max_diff(model, ref) <= TOL, (schedule, stages, microbatches)
+
+
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_stages_passing_tuples_on_streams_and_in_a_graph_equal_plain_training(cuda_graph):
+    """TwoPaths' middle stages pass both branches (a tuple) between streams; also inside a captured step."""
+    torch.manual_seed(0)
+    model = TwoPaths().cuda()
+    ref = clone(model)
+    batches = cuda_batches(n=8, steps=4)
+    engine = wrap(model, stages=[1, 1, 2, 1], microbatches=4, cuda_graph=cuda_graph)  # stage 1 passes a tuple
+    for x, y in batches:
+        engine.train_step(x, y)
+    plain_steps(ref, batches, microbatches=4)
+    assert max_diff(model, ref) <= TOL
 
 
 def test_no_host_synchronisation_inside_a_step():

@@ -1,5 +1,7 @@
 """pipedp.wrap end to end on CPU: exactness against plain training, state, errors."""
 
+import itertools
+
 import pytest
 import torch
 from torch import nn
@@ -7,7 +9,8 @@ from torch import nn
 import pipedp
 from pipedp.models import resnet18, resnet50
 from pipedp.pipeline import microbatch
-from tests.reference import clone, data, max_diff, plain_steps, sequential_cnn
+from pipedp.partition import blocks_of
+from tests.reference import TwoPaths, clone, data, max_diff, plain_steps, sequential_cnn
 
 TOL = 1e-5
 
@@ -449,3 +452,29 @@ def test_microbatches_auto_lets_the_plan_choose_them():
     assert engine.microbatches == engine.plan.microbatches == 1 and engine.plan.counts == [9]
     plain_steps(ref, batches, microbatches=1)
     assert max_diff(model, ref) <= TOL
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages, extra", [(2, {}), (4, {}), (3, {"batchnorm": "batch"}), (3, {"recompute": True})])
+def test_stages_passing_tuples_of_tensors_train_exactly(schedule, stages, extra):
+    """Two branches live side by side for the whole body: the stages between them pass (a, b) tuples."""
+    torch.manual_seed(0)
+    model = TwoPaths()
+    ref = clone(model)
+    batches = data(n=8, size=8, steps=2)
+    engine = engine_for(model, microbatches=4, stages=stages, schedule=schedule, **extra)
+    for x, y in batches:
+        engine.train_step(x, y)
+    assert len(engine.plan.stages) == stages
+    outs, v = [], batches[0][0]
+    with torch.no_grad():
+        for b in blocks_of(TwoPaths()):
+            v = b.module(v)
+            outs.append(v)
+    ends = list(itertools.accumulate(len(st.names) for st in engine.executor.stages))[:-1]
+    assert any(isinstance(outs[e - 1], tuple) for e in ends)  # a boundary passes the two branches
+    plain_steps(ref, batches, microbatches=4)
+    params = dict(model.named_parameters())
+    assert max((p - params[n]).abs().max().item() for n, p in ref.named_parameters()) <= TOL
+    if not extra:  # batch mode updates the running statistics once per step, from the whole batch
+        assert max_diff(model, ref) <= TOL

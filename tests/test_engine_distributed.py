@@ -18,11 +18,11 @@ from torch import nn
 import pipedp
 from pipedp.models import resnet18
 from tests import multiproc
-from tests.reference import clone, data, plain_steps, sequential_cnn
+from tests.reference import TwoPaths, clone, data, plain_steps, sequential_cnn
 
 TOL = 1e-5  # 16x16 inputs: at 8x8 BatchNorm over 1x1 maps amplifies summation order to 5e-5
 LOCAL_BATCH = 8
-MODELS = {"sequential": lambda: sequential_cnn(), "resnet18": lambda: resnet18(width=4)}
+MODELS = {"sequential": lambda: sequential_cnn(), "resnet18": lambda: resnet18(width=4), "two_paths": TwoPaths}
 
 
 def _engine(model, **kw):
@@ -52,6 +52,7 @@ CASES = [  # (model, pp, stages, microbatches, schedule)
     ("sequential", 2, "auto", 2, "1f1b"),
     ("resnet18", 2, 4, 2, "gpipe"),
     ("resnet18", 2, 2, 4, "1f1b"),
+    ("two_paths", 2, [2, 3], 2, "gpipe"),  # the ranks pass the two branches, a tuple of tensors, both ways
 ]
 
 

@@ -1,7 +1,8 @@
 """Turning an unmodified model into an ordered chain of blocks.
 
-A block takes one tensor and returns one tensor, and running the blocks one
-after another computes the model's forward. Stages are contiguous runs of
+A block takes one value and returns one (a tensor, or a tuple of tensors
+where a cut crosses several: :mod:`pipedp.partition.boundary`), and running
+the blocks one after another computes the model's forward. Stages are contiguous runs of
 blocks, so the blocks are the finest places a pipeline can be cut. Blocks share
 their modules (and so their parameters) with the user's model; nothing is
 copied or re-registered.
@@ -13,7 +14,10 @@ Three kinds of model are understood, tried in this order:
   fc``): the stem modules, every residual block, ``avgpool``, a flatten, ``fc``;
 * anything ``torch.fx`` can trace (:mod:`pipedp.partition.trace` keeps whole
   what it cannot see into): the graph is cut at every point where exactly one
-  tensor is live, and each piece becomes a small ``GraphModule``.
+  tensor is live; a stretch of more than :data:`SPAN` nodes without such a
+  point (parallel branches, a dense block's feature list) is cut where several
+  tensors are live, passed as a tuple, at points with the fewest. Each piece
+  becomes a small ``GraphModule``.
 
 A module object that a Sequential holds at several positions (one ``ReLU``,
 ``Dropout`` or ``BatchNorm`` reused, a tied ``Linear``) runs at each of them,
@@ -34,12 +38,14 @@ import torch
 from torch import nn
 
 from ..checks import positive_int
+from .boundary import Value, is_value, leaf, map_tensors, tensors
 from .trace import Traced, trace
 
-__all__ = ["CutError", "Point", "traced_points", "fx_blocks", "is_resnet", "Block", "blocks_of", "check_chain", "check_one_input",
+__all__ = ["CutError", "Point", "carried", "chosen_points", "traced_points", "fx_blocks", "is_resnet", "Block", "blocks_of", "check_chain", "check_one_input",
            "Chain", "module_mode", "mutates_input"]
 
 _HOW = "pass an nn.Sequential of the model's parts"
+SPAN = 16  # fx nodes: a longer stretch without a one-tensor cut is cut where several tensors are live
 _RESNET = ("conv1", "bn1", "relu", "layer1", "layer2", "layer3", "layer4", "avgpool", "fc")
 
 
@@ -57,7 +63,7 @@ class CutError(ValueError):
 
 @dataclass(frozen=True)
 class Block:
-    """A named piece of the model: one tensor in, one tensor out."""
+    """A named piece of the model: one value in, one value out (a tensor, or a tuple of tensors)."""
 
     name: str
     module: nn.Module
@@ -71,7 +77,7 @@ class Chain(nn.Module):
         self.names = [b.name for b in blocks]
         self.parts = nn.ModuleList([b.module for b in blocks])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Value) -> Value:
         for part in self.parts:
             x = part(x)
         return x
@@ -153,14 +159,20 @@ def _resnet(model: nn.Module) -> list[Block]:
 
 @dataclass(frozen=True)
 class Point:
-    """The place after one fx node of the forward: the values live there (a cut passes exactly one tensor)."""
+    """The place after one fx node of the forward and the values live there, which a cut there passes."""
 
     after: torch.fx.Node
     live: tuple[torch.fx.Node, ...]
 
     @property
+    def single(self) -> bool:
+        """A cut here passes one tensor."""
+        return len(self.live) == 1 and self.cut
+
+    @property
     def cut(self) -> bool:
-        return len(self.live) == 1 and not _unpacked(self.live[0])
+        """A cut here can pass every live value: each a tensor (a tuple of several)."""
+        return all(carried(v) for v in self.live)
 
 
 def traced_points(model: nn.Module) -> tuple[Traced, list[Point]]:
@@ -212,21 +224,80 @@ def fx_blocks(name: str, traced: Traced, points: list[Point]) -> list[Block]:
     gm = traced.module
     nodes = list(gm.graph.nodes)
     body, source, result = _body(nodes), nodes[0], nodes[-1].args[0]
-    cuts = [(i, p.live[0]) for i, p in enumerate(points) if p.cut]  # (index in body after which we cut, value)
+    cuts = [(i, points[i].live) for i in chosen_points(points)]  # (index in body after which we cut, values)
     if not cuts and points:
         fewest = min(points, key=lambda p: len(p.live))
+        bad = [v.name for v in fewest.live if not carried(v)]
         raise CutError(
-            f"cannot cut {name} into blocks: at every point between its fx nodes several values are live "
-            f"(at best {len(fewest.live)} after node '{fewest.after.name}': "
-            f"{', '.join(v.name for v in fewest.live)}), so no cut passes exactly one tensor"
+            f"cannot cut {name} into blocks: at every point between its fx nodes a value that is not a tensor "
+            f"is live (at best after node '{fewest.after.name}': {', '.join(bad)}), so no cut can pass it"
         )
     blocks: list[Block] = []
-    start, value = 0, source
-    for i, live in cuts + [(len(body) - 1, result)]:
+    start, values = 0, (source,)
+    for i, live in cuts + [(len(body) - 1, (result,))]:
         seg = body[start : i + 1]
-        blocks.append(Block(_label(seg), _segment(gm, seg, value, live, name)))
-        start, value = i + 1, live
+        blocks.append(Block(_label(seg), _segment(gm, seg, values, live, name)))
+        start, values = i + 1, live
     return blocks
+
+
+def chosen_points(points: list[Point]) -> list[int]:
+    """Indices of the points cut at: every one-tensor point; in a longer stretch than SPAN without one, more.
+
+    Those are tuple cuts at about every SPAN nodes, each at the point of its
+    window with the fewest live values (the least to pass between stages).
+    A model with one-tensor points every few nodes keeps exactly those; one
+    without any gets at least one tuple cut where it can.
+    """
+    singles = [i for i, p in enumerate(points) if p.single]
+    out: list[int] = []
+    prev = -1
+    for nxt in singles + [len(points)]:
+        i = prev
+        while nxt - i > SPAN:
+            near = [j for j in range(i + SPAN // 2, i + SPAN + 1) if points[j].cut]
+            later = [j for j in range(i + SPAN + 1, nxt) if points[j].cut][:1]
+            if not near and not later:
+                break
+            i = min(near, key=lambda j: (len(points[j].live), -j)) if near else later[0]
+            out.append(i)
+        if nxt < len(points):
+            out.append(nxt)
+        prev = nxt
+    if not out:  # a short forward with several tensors live everywhere: one tuple cut, where fewest are
+        some = [j for j, p in enumerate(points) if p.cut]
+        out = [min(some, key=lambda j: (len(points[j].live), -j))] if some else []
+    return out
+
+
+_SCALAR_METHODS = frozenset({"size", "dim", "numel", "nelement", "item", "tolist", "stride", "element_size",
+                             "is_contiguous", "data_ptr", "__len__"})
+_TENSOR_ATTRS = frozenset({"T", "mT", "H", "mH", "real", "imag", "data", "grad"})
+
+
+def _scalar(node: torch.fx.Node) -> bool:
+    """Does ``node`` compute something other than a tensor: a shape read, a number made of them?
+
+    Such a value is per microbatch metadata, not an activation: no cut passes
+    it (a stage can recompute it from the tensors it gets).
+    """
+    if node.op == "call_method":
+        return node.target in _SCALAR_METHODS
+    if node.op != "call_function":
+        return False
+    if node.target is getattr:
+        return node.args[1] not in _TENSOR_ATTRS
+    if node.target in (len, int, float, bool):
+        return True
+    nodes = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, torch.fx.Node)]
+    if node.target is operator.getitem:
+        return _scalar(nodes[0])
+    return getattr(node.target, "__module__", None) in ("_operator", "math") and all(_scalar(a) for a in nodes)
+
+
+def carried(node: torch.fx.Node) -> bool:
+    """Can a cut pass this live value (a tensor, not a number or a tuple taken apart later)?"""
+    return not _unpacked(node) and not _scalar(node)
 
 
 def _unpacked(node: torch.fx.Node) -> bool:
@@ -247,15 +318,18 @@ def _label(nodes: list[torch.fx.Node]) -> str:
 
 
 def _segment(
-    traced: torch.fx.GraphModule, seg: list[torch.fx.Node], src: torch.fx.Node, dst: torch.fx.Node, name: str
+    traced: torch.fx.GraphModule, seg: list[torch.fx.Node], src: tuple[torch.fx.Node, ...],
+    dst: tuple[torch.fx.Node, ...], name: str
 ) -> torch.fx.GraphModule:
-    """A GraphModule computing ``dst`` from ``src`` with the nodes of ``seg``.
+    """A GraphModule computing ``dst`` from ``src`` with the nodes of ``seg`` (several: a tuple in or out).
 
     It references the traced model's submodules and attributes, which are the
     user's own objects, so parameters are shared, not copied.
     """
     g = torch.fx.Graph()
-    env: dict[torch.fx.Node, torch.fx.Node] = {src: g.placeholder("x")}
+    x = g.placeholder("x")
+    env: dict[torch.fx.Node, torch.fx.Node] = (
+        {src[0]: x} if len(src) == 1 else {v: g.call_function(operator.getitem, (x, k)) for k, v in enumerate(src)})
 
     def arg(n: torch.fx.Node) -> torch.fx.Node:
         if n not in env:
@@ -266,7 +340,7 @@ def _segment(
 
     for n in seg:
         env[n] = g.node_copy(n, arg)
-    g.output(arg(dst))
+    g.output(arg(dst[0]) if len(dst) == 1 else tuple(arg(v) for v in dst))
     return torch.fx.GraphModule(traced, g, class_name=f"{name}Block")
 
 
@@ -295,7 +369,7 @@ def check_chain(model: nn.Module, blocks: list[Block], sample: torch.Tensor) -> 
 
     Runs in eval mode (deterministic) and catches a model that looks like a
     known structure but whose forward does something else, and blocks that
-    return non-tensors. Each block after the first gets its input as a fresh
+    return what cannot pass a boundary (not a tensor or a tuple of tensors). Each block after the first gets its input as a fresh
     leaf that requires grad, as a pipeline stage would; a block that modifies
     that input in place (e.g. ``ReLU(inplace=True)`` right after a cut) is
     reported, so a stage starting with it can take a copy of its input; so
@@ -310,27 +384,28 @@ def check_chain(model: nn.Module, blocks: list[Block], sample: torch.Tensor) -> 
     with module_mode(model, training=False):
         with torch.no_grad():
             ref = model(sample)
-        y = sample
+        y: Value = sample
         for i, b in enumerate(blocks):
-            x = y.detach().requires_grad_(i > 0 and y.is_floating_point())
+            x = leaf(y, i > 0)
             try:
                 y = b.module(x)
                 flags.append(False)
             except RuntimeError as e:
                 if not mutates_input(e):
                     raise
-                y = b.module(x.clone())
+                y = b.module(map_tensors(x, torch.clone))
                 flags.append(True)
-            if not isinstance(y, torch.Tensor):
+            if not is_value(y) or (i == len(blocks) - 1 and not isinstance(y, torch.Tensor)):
                 raise CutError(
-                    f"block '{b.name}' of {type(model).__name__} returns {type(y).__name__}, not a tensor; "
-                    f"only a single tensor can pass between stages"
+                    f"block '{b.name}' of {type(model).__name__} returns {type(y).__name__}, not a tensor"
+                    f"{'' if i == len(blocks) - 1 else ' or a tuple of tensors'}; only those pass between stages"
                 )
-            passes.append(y is x or y._base is x)
-            if first_bad is None and not _finite(y):
+            passes.append(any(t is u or t._base is u for t in tensors(y) for u in tensors(x)))
+            if first_bad is None and not all(_finite(t) for t in tensors(y)):
                 first_bad = b.name
     for i in range(len(flags) - 2, -1, -1):
         flags[i] = flags[i] or (passes[i] and flags[i + 1])
+    assert isinstance(y, torch.Tensor)
     y = y.detach()
     _check_output(model, ref, sample, first_bad)
     if ref.shape != y.shape or not torch.allclose(ref.float(), y.float(), rtol=1e-4, atol=1e-5):

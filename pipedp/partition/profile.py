@@ -20,6 +20,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .blocks import Block
+from .boundary import Value, is_value, leaf, map_tensors, nbytes, tensors
 
 __all__ = ["BlockProfile", "profile_blocks", "estimate_blocks"]
 
@@ -31,7 +32,7 @@ class BlockProfile:
     name: str
     forward_ms: float
     backward_ms: float
-    output_bytes: int  # the activation that crosses a cut after this block
+    output_bytes: int  # the activation that crosses a cut after this block (all tensors of a tuple)
     saved_bytes: int  # tensors autograd keeps for backward (excluding parameters)
     param_bytes: int
 
@@ -68,7 +69,7 @@ class _Timer:
         return (time.perf_counter() - t0) * 1e3, out
 
 
-def _saved_bytes(run: Callable[[], torch.Tensor], params: Sequence[torch.Tensor]) -> tuple[int, torch.Tensor]:
+def _saved_bytes(run: Callable[[], Value], params: Sequence[torch.Tensor]) -> tuple[int, Value]:
     """Bytes autograd saves for backward during ``run()`` (parameters excluded), and its output.
 
     The returned output's graph is only for counting and must never be
@@ -93,7 +94,7 @@ def _saved_bytes(run: Callable[[], torch.Tensor], params: Sequence[torch.Tensor]
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         y = run()
-    return total, y.detach() if isinstance(y, torch.Tensor) else y
+    return total, map_tensors(y, torch.Tensor.detach) if is_value(y) else y
 
 
 def profile_blocks(
@@ -116,10 +117,10 @@ def profile_blocks(
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
     timer = _Timer(sample.device)
     out: list[BlockProfile] = []
-    x = sample.detach()
     bar = tqdm(blocks, desc="pipedp: profiling blocks", unit="block", delay=1.0, disable=not progress, leave=False)
+    x: Value = sample.detach()
     for i, block in enumerate(bar):
-        inp = x.detach().requires_grad_(i > 0 and x.is_floating_point())
+        inp = leaf(x, i > 0)
         copy = bool(copy_input[i]) if copy_input is not None else False
         prof, x = _profile_block(block, inp, copy, timer, warmup, repeats)  # x: detached output
         out.append(prof)
@@ -127,31 +128,33 @@ def profile_blocks(
 
 
 def _profile_block(
-    block: Block, inp: torch.Tensor, copy: bool, timer: _Timer, warmup: int, repeats: int
-) -> tuple[BlockProfile, torch.Tensor]:
+    block: Block, inp: Value, copy: bool, timer: _Timer, warmup: int, repeats: int
+) -> tuple[BlockProfile, Value]:
     """Median forward and backward time of one block on ``inp``, and its (detached) output."""
     mod = block.module
-    wrt = ([inp] if inp.requires_grad else []) + _params(mod)
+    wrt = [t for t in tensors(inp) if t.requires_grad] + _params(mod)
 
-    def run() -> torch.Tensor:
-        return mod(inp.clone() if copy else inp)
+    def run() -> Value:
+        return mod(map_tensors(inp, torch.clone) if copy else inp)
 
     saved, y = _saved_bytes(run, list(mod.parameters()))
-    if not isinstance(y, torch.Tensor):
-        raise ValueError(f"block '{block.name}' returns {type(y).__name__}, not a tensor")
-    grad_out = torch.ones_like(y)
+    if not is_value(y):
+        raise ValueError(f"block '{block.name}' returns {type(y).__name__}, not a tensor or a tuple of tensors")
+    grad_out = [torch.ones_like(t) for t in tensors(y)]
     fwd_ms: list[float] = []
     bwd_ms: list[float] = []
     for r in range(warmup + repeats):
         f_ms, out = timer(run)
         b_ms = 0.0
-        if out.requires_grad and wrt:
-            b_ms, _ = timer(lambda: torch.autograd.grad(out, wrt, grad_out, allow_unused=True))  # noqa: B023
+        outs = [(t, g) for t, g in zip(tensors(out), grad_out) if t.requires_grad]  # type: ignore[arg-type]
+        if outs and wrt:
+            b_ms, _ = timer(lambda: torch.autograd.grad([t for t, _ in outs], wrt,  # noqa: B023
+                                                        [g for _, g in outs], allow_unused=True))  # noqa: B023
         if r >= warmup:
             fwd_ms.append(f_ms)
             bwd_ms.append(b_ms)
     prof = BlockProfile(
-        block.name, statistics.median(fwd_ms), statistics.median(bwd_ms), _nbytes(y), saved,
+        block.name, statistics.median(fwd_ms), statistics.median(bwd_ms), nbytes(y), saved,
         sum(_nbytes(p) for p in mod.parameters()),
     )
     return prof, y
@@ -173,18 +176,19 @@ def estimate_blocks(blocks: Sequence[Block], sample: torch.Tensor) -> list[Block
 
     peak, bw = _NOMINAL.get(sample.device.type, _NOMINAL["cpu"])
     out: list[BlockProfile] = []
-    x = sample.detach()
+    x: Value = sample.detach()
     with torch.no_grad():
         for block in blocks:
             counter = FlopCounterMode(display=False)
             with counter:
                 y = block.module(x)
-            if not isinstance(y, torch.Tensor):
-                raise ValueError(f"block '{block.name}' returns {type(y).__name__}, not a tensor")
+            if not is_value(y):
+                raise ValueError(f"block '{block.name}' returns {type(y).__name__}, not a tensor or a tuple of "
+                                 f"tensors")
             flops = counter.get_total_flops()
             param_bytes = sum(_nbytes(p) for p in block.module.parameters())
-            moved = _nbytes(x) + _nbytes(y) + param_bytes
+            moved = nbytes(x) + nbytes(y) + param_bytes
             fwd = max(flops / peak, moved / bw) * 1e3
-            out.append(BlockProfile(block.name, fwd, 2 * fwd, _nbytes(y), _nbytes(x), param_bytes))
+            out.append(BlockProfile(block.name, fwd, 2 * fwd, nbytes(y), nbytes(x), param_bytes))
             x = y
     return out

@@ -2,8 +2,8 @@
 
 Before any training step a user can see what ``stages="auto"`` will find:
 the blocks (stages are contiguous runs of them), the modules kept whole
-while tracing and why, the stretches of the forward where no cut passes
-exactly one tensor (with the values live there), and, for a model that
+while tracing and why, the stretches of the forward where no cut can pass
+what is live (with those values), and, for a model that
 cannot be cut at all, the reason it would train as one stage.
 """
 
@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .blocks import CutError, Point, blocks_of, check_chain, fx_blocks, is_resnet, traced_points
+from .blocks import CutError, Point, blocks_of, carried, check_chain, fx_blocks, is_resnet, traced_points
 
 __all__ = ["CutReport", "inspect_cut"]
 
@@ -30,7 +30,7 @@ class CutReport:
     structure: str  # "nn.Sequential", "ResNet layout", "fx graph"
     blocks: tuple[str, ...]  # block names in order; the cut points lie between them
     kept_whole: tuple[tuple[str, str], ...]  # (module, why) kept as one call while tracing
-    blocked: tuple[str, ...]  # stretches of the forward with no cut point, and the values live there
+    blocked: tuple[str, ...]  # stretches of the forward with no cut point, and the values that keep it so
     reason: str | None = None  # why the model is not cut at all (stages="auto" trains it as one stage)
 
     def __str__(self) -> str:
@@ -52,7 +52,7 @@ class CutReport:
 
 
 def _stretches(points: Sequence[Point]) -> list[str]:
-    """Runs of consecutive points without a cut, each with its widest set of live values."""
+    """Runs of consecutive points without a cut, each with the live values no cut can pass."""
     out: list[str] = []
     run: list[Point] = []
     for p in [*points, None]:
@@ -60,12 +60,11 @@ def _stretches(points: Sequence[Point]) -> list[str]:
             run.append(p)
             continue
         if run:
-            widest = max(run, key=lambda q: len(q.live))
-            names = ", ".join(v.name for v in widest.live[:4]) + (", ..." if len(widest.live) > 4 else "")
+            held = list(dict.fromkeys(v for q in run for v in q.live if not carried(v)))
+            names = ", ".join(v.name for v in held[:4]) + (", ..." if len(held) > 4 else "")
             where = (f"after '{run[0].after.name}'" if len(run) == 1
                      else f"from '{run[0].after.name}' to '{run[-1].after.name}'")
-            why = ("a tuple of pieces is live" if len(widest.live) == 1
-                   else f"up to {len(widest.live)} values live ({names})")
+            why = f"live there and not a tensor: {names} (a shape read, or a tuple taken apart later)"
             out.append(f"{where}: {why}")
             run = []
     return out

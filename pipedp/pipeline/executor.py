@@ -21,6 +21,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from ..device import canonical_device
+from ..partition.boundary import Value, is_value, leaf, map_tensors, tensors
 from .cpu_lane import Flight
 from .p2p import Transport
 from .ranks import check_programs, rank_programs
@@ -344,8 +345,8 @@ class _Step:
         n, m = ex.n, len(xs)
         self.ex, self.xs, self.ys, self.weights, self.loss_fn, self.timer = ex, xs, ys, weights, loss_fn, timer
         self.loss_scale = loss_scale
-        self.inputs: list[list[torch.Tensor | None]] = [[None] * m for _ in range(n)]
-        self.outputs: list[list[torch.Tensor | None]] = [[None] * m for _ in range(n)]
+        self.inputs: list[list[Value | None]] = [[None] * m for _ in range(n)]
+        self.outputs: list[list[Any]] = [[None] * m for _ in range(n)]  # the last stage's: what loss_fn takes
         self.losses: list[torch.Tensor | None] = [None] * m
         self.fwd_ev: list[list] = [[None] * m for _ in range(n)]
         self.bwd_ev: list[list] = [[None] * m for _ in range(n)]
@@ -365,8 +366,9 @@ class _Step:
         elif s - 1 in ex.local:
             prev = self.outputs[s - 1][i]
             assert prev is not None
-            inp = ex._move(prev.detach(), self.fwd_ev[s - 1][i], ex.local[s - 1].device, lane)
-            inp.requires_grad_(prev.requires_grad)
+            src, ready = ex.local[s - 1].device, self.fwd_ev[s - 1][i]
+            inp = leaf(map_tensors(prev, lambda t: ex._move(t.detach(), ready, src, lane)),
+                       [t.requires_grad for t in tensors(prev)])
             if self.loss_fn is None:  # inference keeps nothing for a backward
                 self.outputs[s - 1][i] = None
         else:
@@ -389,8 +391,9 @@ class _Step:
                 loss = loss * self.loss_scale.to(loss.device, non_blocking=True)
             self.losses[i] = loss
         else:
-            if not isinstance(out, torch.Tensor) and s < ex.n - 1:  # the last stage's output leaves the pipeline
-                raise ValueError(f"stage {s} ({stage.names[-1]}) returned {type(out).__name__}, not a tensor")
+            if not is_value(out) and s < ex.n - 1:  # the last stage's output leaves the pipeline
+                raise ValueError(f"stage {s} ({stage.names[-1]}) returned {type(out).__name__}, not a tensor or a "
+                                 f"tuple of tensors")
             self.outputs[s][i] = out
             if s + 1 < ex.n and s + 1 not in ex.local:
                 assert ex.transport is not None
@@ -415,25 +418,30 @@ class _Step:
                 out = self.outputs[s][i]
                 self.outputs[s][i] = None
                 assert out is not None
-                grad = None
+                outs: list[torch.Tensor] = [t for t in tensors(out) if t.requires_grad]
+                grads: list[torch.Tensor] = []
                 if s + 1 in ex.local:
                     nxt, self.inputs[s + 1][i] = self.inputs[s + 1][i], None
                     assert nxt is not None
-                    if out.requires_grad and nxt.grad is not None:
-                        grad = ex._move(nxt.grad, self.bwd_ev[s + 1][i], ex.local[s + 1].device, lane)
-                elif out.requires_grad:
+                    src, ready = ex.local[s + 1].device, self.bwd_ev[s + 1][i]
+                    # A tensor whose next-stage copy got no gradient adds nothing to the backward.
+                    pairs = [(o, n.grad) for o, n in zip(tensors(out), tensors(nxt))
+                             if o.requires_grad and n.grad is not None]
+                    outs, grads = [o for o, _ in pairs], [ex._move(g, ready, src, lane) for _, g in pairs]
+                elif outs:
                     assert ex.transport is not None
-                    grad = ex.transport.recv_grad(out, self._peer(s + 1))
+                    grads = ex.transport.recv_grads(outs, self._peer(s + 1))
                 if timer is not None:
                     timer.begin(lane)
-                if grad is not None:
-                    torch.autograd.backward(out, grad)
+                if grads:
+                    torch.autograd.backward(outs, grads)
         if s > 0 and s - 1 not in ex.local:
             inp, self.inputs[s][i] = self.inputs[s][i], None
             assert inp is not None and ex.transport is not None
-            if inp.requires_grad:
-                g = inp.grad if inp.grad is not None else torch.zeros_like(inp)
-                ex.transport.send_grad(g, self._peer(s - 1))
+            need = [t for t in tensors(inp) if t.requires_grad]
+            if need:
+                ex.transport.send_grads([t.grad if t.grad is not None else torch.zeros_like(t) for t in need],
+                                        self._peer(s - 1))
         if s == 0:
             self.inputs[0][i] = None
         if timer is not None:

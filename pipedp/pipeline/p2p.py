@@ -5,9 +5,10 @@ the step), receives are ``irecv`` waited on right away: on NCCL that wait is
 device-side (the receiving stage's stream waits), on gloo the host waits, with
 the layout's timeout. A receiver must know what is coming: the first time an
 activation crosses a boundary for a given input signature, a small metadata
-message (shape, dtype, requires_grad) goes first; both sides key that cache on
-the same values, so they agree on when it is sent. Gradients need none: they
-have the shape of the activation the receiver sent.
+message per tensor (how many tensors the boundary passes, shape, dtype,
+requires_grad) goes first; both sides key that cache on the same values, so
+they agree on when it is sent. Gradients need none: they have the shapes of
+the activation tensors the receiver sent that require grad.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import DistributedError
+from ..partition.boundary import Value, tensors
 
 __all__ = ["Transport"]
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8, torch.bool]
-_META_LEN = 12  # dtype, requires_grad, ndim, up to 9 dims
+_META_LEN = 13  # tensors in the boundary value (0: a lone tensor), dtype, requires_grad, ndim, up to 9 dims
+_Meta = tuple[tuple[int, ...], torch.dtype, bool]
 
 
 class Transport:
@@ -36,7 +39,7 @@ class Transport:
         self.step = step
         self._pending: list[tuple[Any, torch.Tensor, str, int]] = []
         self._sent_meta: set[Hashable] = set()
-        self._meta: dict[Hashable, tuple[tuple[int, ...], torch.dtype, bool]] = {}
+        self._meta: dict[Hashable, tuple[bool, list[_Meta]]] = {}  # (a tuple?, per tensor)
 
     def _fail(self, what: str, peer: int, cause: BaseException) -> DistributedError:
         return DistributedError(
@@ -65,33 +68,46 @@ class Transport:
             raise self._fail(f"receiving {what} from", peer, e) from e
         return buf
 
-    def send_activation(self, t: torch.Tensor, peer: int, key: Hashable) -> None:
-        """Send an activation; the first time for ``key`` its metadata goes first."""
+    def send_activation(self, v: Value, peer: int, key: Hashable) -> None:
+        """Send an activation (a tensor or a tuple of them); the first time for ``key`` its metadata goes first."""
+        ts = tensors(v)
         if key not in self._sent_meta:
-            if t.dim() > _META_LEN - 3 or t.dtype not in _DTYPES:
-                raise ValueError(
-                    f"a stage boundary carries a {t.dim()}-dim {t.dtype} tensor; pipeline ranks can pass tensors of "
-                    f"up to {_META_LEN - 3} dims in {_DTYPES}: cut elsewhere (stages=[...])"
-                )
-            meta = [_DTYPES.index(t.dtype), int(t.requires_grad), t.dim(), *t.shape]
-            meta += [0] * (_META_LEN - len(meta))
-            self._isend(torch.tensor(meta, dtype=torch.int64, device=self.device), peer, "activation metadata")
+            for t in ts:
+                if t.dim() > _META_LEN - 4 or t.dtype not in _DTYPES:
+                    raise ValueError(
+                        f"a stage boundary carries a {t.dim()}-dim {t.dtype} tensor; pipeline ranks can pass "
+                        f"tensors of up to {_META_LEN - 4} dims in {_DTYPES}: cut elsewhere (stages=[...])"
+                    )
+            count = 0 if isinstance(v, torch.Tensor) else len(ts)
+            for t in ts:
+                meta = [count, _DTYPES.index(t.dtype), int(t.requires_grad), t.dim(), *t.shape]
+                meta += [0] * (_META_LEN - len(meta))
+                self._isend(torch.tensor(meta, dtype=torch.int64, device=self.device), peer, "activation metadata")
             self._sent_meta.add(key)
-        self._isend(t.detach(), peer, "an activation")
+        for t in ts:
+            self._isend(t.detach(), peer, "an activation")
 
-    def recv_activation(self, peer: int, key: Hashable) -> torch.Tensor:
-        """Receive an activation (a leaf that requires grad if the sender's output did)."""
+    def _recv_meta(self, peer: int) -> tuple[int, _Meta]:
+        m = self._recv((_META_LEN,), torch.int64, peer, "activation metadata").tolist()
+        return m[0], (tuple(m[4 : 4 + m[3]]), _DTYPES[m[1]], bool(m[2]))
+
+    def recv_activation(self, peer: int, key: Hashable) -> Value:
+        """Receive an activation (leaves that require grad where the sender's outputs did)."""
         if key not in self._meta:
-            m = self._recv((_META_LEN,), torch.int64, peer, "activation metadata").tolist()
-            self._meta[key] = (tuple(m[3 : 3 + m[2]]), _DTYPES[m[0]], bool(m[1]))
-        shape, dtype, requires_grad = self._meta[key]
-        return self._recv(shape, dtype, peer, "an activation").requires_grad_(requires_grad)
+            count, first = self._recv_meta(peer)
+            self._meta[key] = (count > 0, [first] + [self._recv_meta(peer)[1] for _ in range(count - 1)])
+        is_tuple, metas = self._meta[key]
+        got = tuple(self._recv(shape, dtype, peer, "an activation").requires_grad_(rg) for shape, dtype, rg in metas)
+        return got if is_tuple else got[0]
 
-    def send_grad(self, g: torch.Tensor, peer: int) -> None:
-        self._isend(g, peer, "a gradient")
+    def send_grads(self, gs: list[torch.Tensor], peer: int) -> None:
+        """The gradients of the received activation's tensors that require grad, in order."""
+        for g in gs:
+            self._isend(g, peer, "a gradient")
 
-    def recv_grad(self, like: torch.Tensor, peer: int) -> torch.Tensor:
-        return self._recv(tuple(like.shape), like.dtype, peer, "a gradient")
+    def recv_grads(self, like: list[torch.Tensor], peer: int) -> list[torch.Tensor]:
+        """Gradients for ``like`` (the sent tensors that require grad), as the receiver sent them."""
+        return [self._recv(tuple(t.shape), t.dtype, peer, "a gradient") for t in like]
 
     def flush(self) -> None:
         """Wait for this step's sends (their buffers must live until they are out)."""

@@ -10,6 +10,7 @@ import torch
 
 from ..device import canonical_device
 from ..partition.blocks import Chain
+from ..partition.boundary import Value, map_tensors
 from .stream import Lane
 
 __all__ = ["Stage"]
@@ -32,7 +33,7 @@ class Stage:
     copy_input: bool = False  # the first block modifies its input in place
     autocast: torch.dtype | None = None
     autocast_cache: bool = True
-    body: Callable[[torch.Tensor], Any] | None = None
+    body: Callable[[Value], Any] | None = None
 
     def __post_init__(self) -> None:
         # With its index, as the tensors it makes report it (``cuda`` != ``cuda:0``).
@@ -48,10 +49,10 @@ class Stage:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast, cache_enabled=self.autocast_cache)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: Value) -> Value:
         # A leaf that requires grad cannot be modified in place: give such a
         # first block a (non-leaf) copy; gradients still reach the leaf.
-        if self.copy_input and x.requires_grad and x.is_leaf:
-            x = x.clone()
+        if self.copy_input:
+            x = map_tensors(x, lambda t: t.clone() if t.requires_grad and t.is_leaf else t)
         with self.precision():
             return (self.body if self.body is not None else self.chain)(x)

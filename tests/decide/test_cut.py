@@ -38,7 +38,8 @@ def test_auto_on_a_serial_device_is_one_stage():
 
 def test_untimed_microbatches_follow_the_stage_count():
     assert untimed_microbatches(1, 128) == 1 and untimed_microbatches(3, 128) == AUTO_MICROBATCHES[-1]
-    assert untimed_microbatches(2, 3) == 2
+    # at least two samples per microbatch (microbatch.count)
+    assert untimed_microbatches(2, 3) == 1 and untimed_microbatches(2, 4) == 2 and untimed_microbatches(2, 16) == 8
 
 
 def test_auto_over_separate_devices_prefers_a_pipeline():

@@ -5,7 +5,8 @@ from torch import nn
 
 from pipedp.models import resnet18, resnet50
 from pipedp.partition import Chain, blocks_of, check_chain
-from tests.reference import sequential_cnn
+from pipedp.partition.blocks import traced_points
+from tests.reference import TwoPaths, sequential_cnn
 
 
 def run_chain(blocks, x):
@@ -108,6 +109,19 @@ class DenseSkips(nn.Module):
         return self.b(y) * x
 
 
+class ShapeKept(nn.Module):
+    """A shape read at the start is live to the end: no cut can pass a number."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        n = x.shape[0]
+        return self.b(self.a(x).relu()).reshape(n, -1)
+
+
 class TwoInputs(nn.Module):
     def __init__(self):
         super().__init__()
@@ -122,7 +136,7 @@ class TwoInputs(nn.Module):
     [
         (DataDependent(), r"torch.fx could not trace .*control flow"),
         (TwoOutputs(), r"returns tuple .*not a single tensor"),
-        (DenseSkips(), r"several values are live \(at best 2 after node '\w+': x, \w+\)"),
+        (ShapeKept(), r"a value that is not a tensor is live \(at best after node '\w+': (getattr|getitem)\w*\)"),
         (TwoInputs(), r"takes 2 inputs \(x, z\)"),
         (nn.Sequential(), r"empty"),
     ],
@@ -156,14 +170,24 @@ def test_check_chain_catches_a_different_forward():
         check_chain(model, blocks, torch.randn(2, 3, 8, 8))
 
 
-def test_check_chain_rejects_non_tensor_block_outputs():
+def test_check_chain_rejects_block_outputs_that_cannot_pass_a_boundary():
+    class Named(nn.Module):
+        def forward(self, x):
+            return {"x": x}
+
     class Pair(nn.Module):
         def forward(self, x):
-            return x, x
+            return x, x * 2
 
-    model = nn.Sequential(nn.Linear(4, 4), Pair(), nn.Identity())
-    with pytest.raises(ValueError, match=r"block '1' .*returns tuple"):
+    class Join(nn.Module):
+        def forward(self, pair):
+            return pair[0] + pair[1]
+
+    model = nn.Sequential(nn.Linear(4, 4), Named(), nn.Identity())
+    with pytest.raises(ValueError, match=r"block '1' .*returns dict, not a tensor or a tuple of tensors"):
         check_chain(model, blocks_of(model), torch.randn(2, 4))
+    passing = nn.Sequential(nn.Linear(4, 4), Pair(), Join())
+    assert check_chain(passing, blocks_of(passing), torch.randn(2, 4)) == [False, False, False]  # a tuple passes
 
 
 def test_check_chain_flags_blocks_that_modify_their_input():
@@ -223,6 +247,17 @@ class ResNetWithFeatures(LooksLikeResNet):
         return self.fc(feats), feats
 
 
+def test_a_short_forward_with_two_tensors_live_everywhere_gets_a_tuple_cut():
+    model = DenseSkips()
+    blocks = blocks_of(model)
+    assert len(blocks) == 2
+    x = torch.randn(3, 4)
+    between = blocks[0].module(x)
+    assert isinstance(between, tuple) and len(between) == 2  # the input and the running value
+    check_chain(model, blocks, x)
+    assert torch.allclose(blocks[1].module(between), model(x))
+
+
 def test_check_chain_sends_a_model_returning_a_tuple_to_one_stage():
     model = ResNetWithFeatures()
     with pytest.raises(ValueError, match=r"forward returns tuple, not a single tensor.*use stages=1") as e:
@@ -257,3 +292,23 @@ def test_a_block_handing_its_input_on_to_one_that_modifies_it_is_flagged_too():
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Identity(), nn.ReLU(inplace=True), nn.Flatten(),
                           nn.ReLU(inplace=True), nn.Linear(4 * 6 * 6, 2))
     assert check_chain(model, blocks_of(model), torch.randn(2, 3, 8, 8)) == [False, True, True, True, True, False]
+
+
+def test_a_long_stretch_without_a_one_tensor_point_is_cut_where_several_tensors_are_live():
+    model = TwoPaths()
+    blocks = blocks_of(model)
+    x = torch.randn(2, 3, 8, 8)
+    outs, y = [], x
+    for b in blocks:
+        y = b.module(y)
+        outs.append(y)
+    tuples = [o for o in outs if isinstance(o, tuple)]
+    assert tuples and all(len(t) == 2 for t in tuples)  # the two branches
+    assert len(blocks) >= 4  # the 30-node stretch in pieces of at most SPAN nodes (or just past it)
+    check_chain(model, blocks, x)
+
+
+def test_a_cut_point_is_never_placed_where_a_number_is_live():
+    model = ShapeKept()
+    traced, points = traced_points(model)
+    assert points and not any(p.cut for p in points)

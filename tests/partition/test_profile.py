@@ -37,10 +37,30 @@ def test_cost_model_orders_blocks_by_work():
 
 
 class _Pair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
     def forward(self, x):
-        return x, x
+        return x, self.lin(x)
 
 
-def test_a_block_returning_a_tuple_is_a_clear_error():
-    with pytest.raises(ValueError, match="block 'pair' returns tuple, not a tensor"):
-        profile_blocks([Block("pair", _Pair())], torch.randn(2, 3), progress=False)
+class _Join(nn.Module):
+    def forward(self, pair):
+        return pair[0] * pair[1]
+
+
+class _Named(nn.Module):
+    def forward(self, x):
+        return {"x": x}
+
+
+def test_blocks_passing_a_tuple_are_timed_and_sized_and_a_dict_is_a_clear_error():
+    profiles = profile_blocks([Block("pair", _Pair()), Block("join", _Join())], torch.randn(4, 3), progress=False,
+                              warmup=0, repeats=1)
+    assert profiles[0].output_bytes == 2 * 4 * 3 * 4  # both tensors of the tuple
+    assert profiles[1].backward_ms > 0  # gradients flow back into both
+    estimated = estimate_blocks([Block("pair", _Pair()), Block("join", _Join())], torch.randn(4, 3))
+    assert estimated[0].output_bytes == 96
+    with pytest.raises(ValueError, match="block 'named' returns dict, not a tensor or a tuple of tensors"):
+        profile_blocks([Block("named", _Named())], torch.randn(2, 3), progress=False)

@@ -18,11 +18,11 @@ class TwoOut(nn.Module):
         return y.mean((2, 3)), y.amax((2, 3))
 
 
-def test_inspect_lists_blocks_leaves_and_where_no_cut_passes_one_tensor():
+def test_inspect_lists_blocks_leaves_and_where_no_cut_can_pass():
     report = pipedp.inspect(ChunkNet(), (2, 3, 8, 8))
     assert report.structure == "fx graph" and report.reason is None and len(report.blocks) >= 3
-    # Between the chunk and the join two pieces (or the tuple of them) are live: no cut point there.
-    assert any("chunk" in b and ("tuple of pieces" in b or "values live" in b) for b in report.blocked)
+    # Between the chunk and the join the tuple of pieces is live, taken apart later: no cut point there.
+    assert any("chunk" in b and "not a tensor: chunk" in b for b in report.blocked), report.blocked
     text = str(report)
     assert text.startswith(f"ChunkNet (fx graph): {len(report.blocks)} blocks") and "no cut: " in text
     net = pipedp.inspect(Net(), torch.randn(2, 3, 7, 7))
