@@ -113,7 +113,7 @@ def test_two_processes_equal_single_process_global_batch():
 
 @pytest.mark.slow  # tens of seconds on 2 cores: the slow run (CI runs it) keeps the default suite short
 def test_four_processes_dp_and_dp_x_pp():
-    cases = [("sequential", 1, 2, 2, "1f1b"), ("resnet18", 2, 2, 2, "1f1b")]
+    cases = [("sequential", 1, 2, 2, "1f1b"), ("resnet18", 2, 2, 2, "1f1b"), ("two_paths", 2, [2, 3], 2, "1f1b")]
     results = multiproc.run(_train_cases, 4, cases)
     _check_cases(results, 4, cases)
 
