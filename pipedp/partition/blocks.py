@@ -2,10 +2,10 @@
 
 A block takes one value and returns one (a tensor, or a tuple of tensors
 where a cut crosses several: :mod:`pipedp.partition.boundary`), and running
-the blocks one after another computes the model's forward. Stages are contiguous runs of
-blocks, so the blocks are the finest places a pipeline can be cut. Blocks share
-their modules (and so their parameters) with the user's model; nothing is
-copied or re-registered.
+the blocks one after another computes the model's forward. Stages are
+contiguous runs of blocks, so the blocks are the finest places a pipeline can
+be cut. Blocks share their modules (and so their parameters) with the user's
+model; nothing is copied or re-registered.
 
 Three kinds of model are understood, tried in this order:
 
@@ -41,8 +41,8 @@ from ..checks import positive_int
 from .boundary import Value, is_value, leaf, map_tensors, tensors
 from .trace import Traced, trace
 
-__all__ = ["CutError", "Point", "carried", "chosen_points", "traced_points", "fx_blocks", "is_resnet", "Block", "blocks_of", "check_chain", "check_one_input",
-           "Chain", "module_mode", "mutates_input"]
+__all__ = ["CutError", "Point", "carried", "chosen_points", "traced_points", "fx_blocks", "is_resnet", "Block",
+           "blocks_of", "check_chain", "check_one_input", "Chain", "module_mode", "mutates_input"]
 
 _HOW = "pass an nn.Sequential of the model's parts"
 SPAN = 16  # fx nodes: a longer stretch without a one-tensor cut is cut where several tensors are live
@@ -369,14 +369,15 @@ def check_chain(model: nn.Module, blocks: list[Block], sample: torch.Tensor) -> 
 
     Runs in eval mode (deterministic) and catches a model that looks like a
     known structure but whose forward does something else, and blocks that
-    return what cannot pass a boundary (not a tensor or a tuple of tensors). Each block after the first gets its input as a fresh
-    leaf that requires grad, as a pipeline stage would; a block that modifies
-    that input in place (e.g. ``ReLU(inplace=True)`` right after a cut) is
-    reported, so a stage starting with it can take a copy of its input; so
-    is a block that hands its input on as it is (an ``Identity``, a view)
-    to one that modifies it, as the same input reaches that one.
-    A model output with NaN/inf cannot be compared, so it is refused as such
-    (naming where the NaN/inf first appears) rather than passed unchecked.
+    return what cannot pass a boundary (not a tensor or a tuple of tensors).
+    Each block after the first gets its input as a fresh leaf that requires
+    grad, as a pipeline stage would; a block that modifies that input in place
+    (e.g. ``ReLU(inplace=True)`` right after a cut) is reported, so a stage
+    starting with it can take a copy of its input; so is a block that hands
+    its input on as it is (an ``Identity``, a view) to one that modifies it,
+    as the same input reaches that one. A model output with NaN/inf cannot be
+    compared, so it is refused as such (naming where the NaN/inf first
+    appears) rather than passed unchecked.
     """
     flags: list[bool] = []
     passes: list[bool] = []  # the block returns its input itself, or a view of it
