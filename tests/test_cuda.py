@@ -250,10 +250,12 @@ def test_a_failed_capture_leaves_the_process_able_to_allocate_and_capture():
     assert torch.all(z == 2).item()
 
 
-@pytest.mark.parametrize("stages", [2, "auto"])
+@pytest.mark.parametrize("stages", [1, 2, "auto"])
 def test_mobilenet_with_side_lanes_it_never_uses_captures_and_trains_exactly(stages):
     # branches=True finds no forking block in MobileNetV2 (identity shortcuts): its side lanes stay idle. Joining them
-    # without forking them invalidated every capture (pipedp:graph,branches,split_grads on the H100).
+    # without forking them invalidated every capture (pipedp:graph,branches,split_grads on the H100). With "auto",
+    # a one-microbatch concurrent finalist was once chosen over the 2 microbatches asked for (other BatchNorm
+    # statistics: 1.96 away, H100 2026-11-27).
     from pipedp.models import mobilenet_v2
 
     torch.manual_seed(0)
@@ -268,6 +270,7 @@ def test_mobilenet_with_side_lanes_it_never_uses_captures_and_trains_exactly(sta
     plain_steps(ref, batches, microbatches=2)
     assert max_diff(model, ref) <= 1e-4
     assert engine._runner.graph.replays >= 1
+    assert engine.plan.microbatches == 2
 
 
 def test_autocast_and_channels_last_pass_through_on_cuda():

@@ -255,7 +255,10 @@ def _time_finalists(space: Space, trials: _Trials, budget: Budget, bar: Config, 
         if alt in trials.ms and trials.best(alt) < trials.best(bar):
             bar = alt
     if space.concurrent:
-        base = [Config(space.cut(1), 1, bar.channels_last, bar.compiled)] + ranked[:COMPILE_FINALISTS - 1]
+        # One stage with the fewest microbatches allowed: a count the user fixed is kept (another count trains
+        # with other BatchNorm statistics).
+        one = Config(space.cut(1), min(space.microbatches), bar.channels_last, bar.compiled)
+        base = list(dict.fromkeys([one, *ranked[:COMPILE_FINALISTS - 1]]))
         for c in (replace(b, concurrent=True) for b in base):
             if budget.left() < trials.cost_s(c) + trials.reserve_s():
                 notes.append(f"stages=auto: the budget ran out before {c.label}")

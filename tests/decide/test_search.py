@@ -126,6 +126,16 @@ def test_concurrent_finalists_are_timed_with_the_pieces():
     assert d.chosen == "1x1 concurrent" and d.config.concurrent
 
 
+def test_concurrent_finalists_keep_the_microbatch_counts_the_user_fixed():
+    # microbatches=2 fixed: a one-microbatch finalist would train with other BatchNorm statistics than asked
+    # (MobileNetV2, stages="auto", split_grads on the H100: parameters 1.96 away from plain 2-microbatch training).
+    table = {"plain": 10.0, "1x2": 9.5, "2x2": 9.9, "1x1 concurrent": 1.0, "1x2 concurrent": 8.0}
+    d, clock = run(space(stages=(1, 2), microbatches=(2,), layouts=(False,), concurrent=True), table)
+    assert "1x1 concurrent" not in clock.seen and "1x2 concurrent" in clock.seen
+    assert d.chosen == "1x2 concurrent" and d.config.microbatches == 2 and d.config.concurrent
+    assert all(label.split()[0].endswith("x2") for label in clock.seen if not label.startswith("plain"))
+
+
 def test_allowed_values_of_a_lever():
     assert allowed("auto") == (False, True) and allowed(True) == (True,) and allowed(False) == (False,)
 
