@@ -21,26 +21,21 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
-import json
 import os
-import socket
 import statistics
-import tempfile
 import time
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import pipedp
 from pipedp import console
 from pipedp.models import get_model
 
-from .machine import describe, sync
-from .report import write_json
+from .machine import sync
+from .world import run_world, world_report
 
 PROG = "python -m experiments.bench_dp"
 CONFIGS = ("ddp", "pipedp", "nosync")
@@ -129,28 +124,6 @@ def _measure(name: str, args: argparse.Namespace, device: torch.device, rank: in
     }
 
 
-def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(max(1, args.threads))
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=5))
-    try:
-        results = []
-        for name in args.models.split(","):
-            results.append(_measure(name, args, device, rank, world))
-            if rank == 0:
-                print(_row(results[-1]), flush=True)
-        if rank == 0:
-            write_json(out_path, results)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
 def _row(r: dict[str, Any]) -> str:
     ips = r["images_per_s"]
     return (
@@ -181,27 +154,8 @@ def _parser() -> argparse.ArgumentParser:
 def bench(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the benchmark for ``argv``; the report (also written to --out when given)."""
     args = _parser().parse_args(argv)
-    if args.device == "cuda" and torch.cuda.device_count() < args.procs:
-        raise SystemExit(f"--procs {args.procs} needs {args.procs} GPUs, found {torch.cuda.device_count()}")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "results.json")
-        mp.spawn(_rank_main, args=(args.procs, port, args, path), nprocs=args.procs, join=True)
-        with open(path) as f:
-            rows = json.load(f)
-    report = {
-        "benchmark": "bench_dp",
-        "date": datetime.date.today().isoformat(),
-        "machine": describe(args.device),
-        "settings": {k: v for k, v in vars(args).items() if k != "out"},
-        "results": rows,
-    }
-    print(f"machine: {report['machine']}")
-    if args.out:
-        write_json(args.out, report, indent=2)
-    return report
+    rows = run_world(_measure, _row, args)
+    return world_report("bench_dp", args, rows)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

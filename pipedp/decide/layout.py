@@ -1,0 +1,162 @@
+"""The layout of a world of ranks: data parallel x pipeline, each predicted from block costs and links.
+
+A world of ``R`` ranks trains as ``dp`` replicas of a ``pp``-stage pipeline
+(``dp * pp = R``). Which layout is fastest depends on the model (how its
+parameters and activations compare with its compute), the batch and the
+links: data parallelism moves every parameter's gradient each step, a
+pipeline moves activations and idles in its bubble. The prediction:
+
+* compute: each stage's forward and backward, the sums of its profiled
+  blocks scaled linearly to the microbatch's samples, run through the
+  schedule simulator (:mod:`pipedp.pipeline.simulate`) as the executor would
+  issue them, every stage on its own rank;
+* point-to-point: each cut's activation (and its gradient, back) costs
+  :func:`~pipedp.decide.links.p2p_s` on the sender's forward and the
+  receiver's backward;
+* gradient sync: each stage's gradients are ring-all-reduced over its ``dp``
+  replicas in buckets, overlapped with the stage's last backward as the
+  engine's gradient sync does (buckets become ready through that backward;
+  the last one starts when it ends);
+* update: each stage's optimizer update (its share, by parameter bytes, of
+  the profiled update of the whole model) after its sync.
+
+The step is the latest stage's end. Not modelled (stated with every
+forecast): contention between ranks that share a host beyond what the
+profile saw, compute that is not linear in the samples (small microbatches
+on a GPU), host overhead beyond a constant per action.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..partition.balance import balance
+from ..partition.profile import BlockProfile
+from ..pipeline.microbatch import MIN_SAMPLES
+from ..pipeline.schedule import get_schedule
+from ..pipeline.simulate import simulate
+from .cut import ACTION_OVERHEAD_MS, action_durations, stage_times
+from .links import Link, allreduce_s, p2p_s
+
+__all__ = ["Layout", "Prediction", "predict", "layouts", "rank", "ASSUMPTIONS"]
+
+ASSUMPTIONS = (
+    "block times scale linearly with the samples of a microbatch (profiled at one size)",
+    "every rank computes as fast as the device the blocks were profiled on, alone",
+    "gradients are ring-all-reduced per stage in buckets, overlapped with the stage's last backward",
+    "the optimizer's update takes the profiled time (SGD with momentum), split over the stages by their parameters",
+)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """``dp`` replicas of a pipeline of ``len(counts)`` stages (blocks per stage), ``microbatches`` each."""
+
+    dp: int
+    counts: tuple[int, ...]
+    microbatches: int
+    schedule: str = "1f1b"
+
+    @property
+    def pp(self) -> int:
+        return len(self.counts)
+
+    @property
+    def label(self) -> str:
+        tail = f" x {self.microbatches} mb" + (f" {self.schedule}" if self.pp > 1 else "")
+        return f"dp {self.dp} x pp {self.pp}" + (tail if self.pp > 1 or self.microbatches > 1 else "")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A layout's predicted step and where its time goes (milliseconds)."""
+
+    layout: Layout
+    step_ms: float
+    compute_ms: float  # the simulated pipeline, point-to-point included, without the gradient sync
+    allreduce_ms: float  # the slowest stage's gradient all-reduce, whole
+    exposed_ms: float  # the part of the slowest stage's sync not hidden behind its backward
+    p2p_ms: float  # one microbatch's activation and gradient over the slowest cut
+    bubble: float  # idle share of the stages within the compute
+
+
+def predict(blocks: Sequence[BlockProfile], profile_batch: int, layout: Layout, global_batch: int, link: Link,
+            *, p2p: Link | None = None, update_ms: float = 0.0, bucket_bytes: float = 25 * 2**20,
+            overhead_ms: float = ACTION_OVERHEAD_MS) -> Prediction:
+    """The step of ``layout`` training ``global_batch`` samples over ``link`` (blocks timed on ``profile_batch``).
+
+    ``p2p``: the link between pipeline ranks where it differs from the collectives' (a measured world);
+    ``update_ms``: the optimizer update of the whole model on one device.
+    """
+    if sum(layout.counts) != len(blocks):
+        raise ValueError(f"layout {layout.label} cuts {sum(layout.counts)} blocks; the profile has {len(blocks)}")
+    if global_batch % layout.dp:
+        raise ValueError(f"a global batch of {global_batch} does not split over dp={layout.dp} replicas: "
+                         f"use a multiple of {layout.dp}")
+    scale = global_batch / layout.dp / layout.microbatches / profile_batch
+    fwd, bwd = stage_times(blocks, layout.counts)
+    fwd, bwd = [f * scale for f in fwd], [b * scale for b in bwd]
+    ends = [sum(layout.counts[: s + 1]) - 1 for s in range(layout.pp)]
+    worst_p2p = 0.0
+    for s in range(layout.pp - 1):
+        t = p2p_s(p2p or link, blocks[ends[s]].output_bytes * scale) * 1e3
+        fwd[s] += t
+        bwd[s + 1] += t
+        worst_p2p = max(worst_p2p, 2 * t)
+    sim = simulate(get_schedule(layout.schedule)(layout.pp, layout.microbatches),
+                   duration=action_durations(fwd, bwd, overhead_ms))
+    last = {}
+    for slot in sim.slots:
+        if slot.action.kind == "B":
+            last[slot.stage] = slot  # slots are in start order: the last one seen is the stage's last backward
+    total = sum(b.param_bytes for b in blocks) or 1
+    end, sync, exposed = sim.makespan, 0.0, 0.0
+    start = 0
+    for s, k in enumerate(layout.counts):
+        params = sum(b.param_bytes for b in blocks[start : start + k])
+        start += k
+        buckets = max(1, math.ceil(params / bucket_bytes))
+        ms = allreduce_s(link, params, layout.dp, buckets) * 1e3
+        sync = max(sync, ms)
+        b = last[s]
+        synced = max(b.end, b.end + ms / buckets, b.start + ms) if ms > 0 else b.end
+        exposed = max(exposed, synced - b.end)
+        end = max(end, synced + update_ms * params / total)
+    return Prediction(layout, end, sim.makespan, sync, exposed, worst_p2p, sim.bubble)
+
+
+def layouts(blocks: Sequence[BlockProfile], ranks: int, global_batch: int,
+            microbatches: Sequence[int] = (1, 2, 4, 8), schedules: Sequence[str] = ("1f1b",)) -> list[Layout]:
+    """Every layout of ``ranks`` ranks the engine can run on ``global_batch``: each ``pp`` dividing ``ranks``.
+
+    The cut of each pipeline is the balanced one of the profiled costs;
+    microbatches hold at least two samples (a BatchNorm needs them); one
+    stage is never microbatched (with compute linear in the samples it only
+    adds overhead).
+    """
+    costs = [b.cost_ms for b in blocks]
+    out = []
+    for pp in range(1, min(ranks, len(blocks)) + 1):
+        if ranks % pp or global_batch % (ranks // pp):
+            continue
+        dp = ranks // pp
+        counts = tuple(balance(costs, pp)) if pp > 1 else (len(blocks),)
+        per_replica = global_batch // dp
+        for m in (microbatches if pp > 1 else (1,)):
+            if m <= per_replica // MIN_SAMPLES or m == 1:
+                for sched in (schedules if pp > 1 else ("1f1b",)):
+                    out.append(Layout(dp, counts, m, sched))
+    return out
+
+
+def rank(blocks: Sequence[BlockProfile], profile_batch: int, ranks: int, global_batch: int, link: Link, *,
+         p2p: Link | None = None, update_ms: float = 0.0, microbatches: Sequence[int] = (1, 2, 4, 8),
+         schedules: Sequence[str] = ("1f1b",), bucket_bytes: float = 25 * 2**20,
+         overhead_ms: float = ACTION_OVERHEAD_MS) -> list[Prediction]:
+    """Every layout of :func:`layouts`, predicted, fastest first."""
+    preds = [predict(blocks, profile_batch, lay, global_batch, link, p2p=p2p, update_ms=update_ms,
+                     bucket_bytes=bucket_bytes, overhead_ms=overhead_ms)
+             for lay in layouts(blocks, ranks, global_batch, microbatches, schedules)]
+    return sorted(preds, key=lambda p: p.step_ms)

@@ -1,0 +1,77 @@
+import random
+
+import pytest
+
+from pipedp.decide.layout import Layout, layouts, predict, rank
+from pipedp.decide.links import Link
+from pipedp.partition.profile import BlockProfile
+
+FREE = Link("free", 0.0, 1e30)
+SLOW = Link("slow", 1e-4, 1e8)  # 100 MB/s
+
+
+def blocks(n=8, fwd=1.0, bwd=2.0, out=1 << 20, params=4 << 20):
+    return [BlockProfile(f"b{i}", fwd, bwd, out, out, params) for i in range(n)]
+
+
+def test_one_replica_of_one_stage_is_the_profiled_step_scaled_to_the_batch():
+    bl = blocks()
+    p = predict(bl, 16, Layout(1, (8,), 1), 64, FREE, overhead_ms=0.0)
+    assert p.step_ms == pytest.approx(4 * 8 * 3.0) and p.exposed_ms == 0.0 and p.bubble == 0.0
+
+
+def test_data_parallel_over_a_free_link_divides_the_compute():
+    bl = blocks()
+    p = predict(bl, 16, Layout(4, (8,), 1), 64, FREE, overhead_ms=0.0)
+    assert p.step_ms == pytest.approx(8 * 3.0)
+
+
+def test_a_pipeline_pays_its_bubble_and_data_parallel_its_sync():
+    bl = blocks()
+    pp = predict(bl, 16, Layout(1, (4, 4), 4), 64, FREE, overhead_ms=0.0)
+    # 2 stages x 4 microbatches: (M + S - 1) / M of the ideal half-model time.
+    assert pp.step_ms == pytest.approx(5 / 4 * 64 / 16 * 4 * 3.0) and pp.bubble == pytest.approx(0.2)
+    dp_slow = predict(bl, 16, Layout(2, (8,), 1), 64, SLOW, overhead_ms=0.0)
+    sync = 2 * 1e-4 * 2 + 32 * 2**20 / 1e8  # 2 buckets of 25 MiB for 32 MiB, ring over 2 ranks
+    assert dp_slow.allreduce_ms == pytest.approx(sync * 1e3)
+    assert dp_slow.exposed_ms > 0 and dp_slow.step_ms > predict(bl, 16, Layout(2, (8,), 1), 64, FREE,
+                                                                overhead_ms=0.0).step_ms
+
+
+def test_the_update_is_split_over_the_stages_by_their_parameters():
+    bl = blocks()
+    one = predict(bl, 16, Layout(1, (8,), 1), 64, FREE, update_ms=8.0, overhead_ms=0.0)
+    assert one.step_ms == pytest.approx(96.0 + 8.0)
+    two = predict(bl, 16, Layout(1, (4, 4), 4), 64, FREE, update_ms=8.0, overhead_ms=0.0)
+    assert two.step_ms == pytest.approx(60.0 + 4.0)
+
+
+def test_a_slow_link_and_heavy_parameters_favour_the_pipeline_a_free_link_data_parallel():
+    heavy = blocks(params=64 << 20, out=1 << 16)
+    assert rank(heavy, 16, 2, 64, FREE)[0].layout.pp == 1
+    assert rank(heavy, 16, 2, 64, SLOW)[0].layout.pp == 2
+
+
+def test_layouts_are_those_the_engine_can_run():
+    bl = blocks(n=3)
+    got = {(lay.dp, lay.pp, lay.microbatches) for lay in layouts(bl, 4, 16, microbatches=(1, 2, 4, 8))}
+    # pp divides the ranks and is at most the blocks; replicas split the batch; >= 2 samples per microbatch.
+    assert (4, 1, 1) in got and (2, 2, 4) in got and (2, 2, 8) not in got
+    assert all(pp in (1, 2) for _, pp, _ in got)
+    assert {lay.dp for lay in layouts(bl, 4, 6)} == {2}  # 6 samples split over 2 replicas, not over 4
+    with pytest.raises(ValueError, match="does not split over dp=4"):
+        predict(bl, 16, Layout(4, (3,), 1), 6, FREE)
+
+
+def test_the_choice_is_never_slower_than_a_layout_it_could_have_chosen_over_random_costs():
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(2, 10)
+        bl = [BlockProfile(f"b{i}", rng.uniform(0.1, 5), rng.uniform(0.2, 10), rng.randint(1, 1 << 22),
+                           0, rng.randint(0, 1 << 26)) for i in range(n)]
+        link = Link("r", rng.uniform(0, 1e-3), rng.uniform(1e7, 1e11))
+        ranks, batch = rng.choice([2, 4, 8]), rng.choice([32, 64, 128])
+        preds = rank(bl, 8, ranks, batch, link, update_ms=rng.uniform(0, 20))
+        assert preds and all(preds[0].step_ms <= p.step_ms for p in preds)
+        for p in preds:  # every prediction is at least its compute and its layout's own sync
+            assert p.step_ms >= p.compute_ms - 1e-9 and p.exposed_ms >= 0
