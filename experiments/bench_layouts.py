@@ -100,7 +100,7 @@ def _measure(name: str, args: argparse.Namespace, device: torch.device, rank: in
     rows = []
     for lay in cands:
         measured = statistics.median(windows[lay.label])
-        pred = predict(prof.blocks, prof.batch, lay, args.batch, ar, p2p=p2p, update_ms=prof.update_ms,
+        pred = predict(prof.costs(), lay, args.batch, ar, p2p=p2p, update_ms=prof.update_ms,
                        bucket_bytes=args.bucket_mb * 2**20)
         rows.append({"layout": lay.label, "dp": lay.dp, "pp": lay.pp, "counts": list(lay.counts),
                      "microbatches": lay.microbatches, "measured_ms": measured, "windows_ms": windows[lay.label],
@@ -111,7 +111,11 @@ def _measure(name: str, args: argparse.Namespace, device: torch.device, rank: in
     best_predicted = min(rows, key=lambda r: r["predicted_ms"])
     return {"model": name, "global_batch": args.batch, "world": world, "profile_s": profile_s,
             "profile_device": prof.device, "update_ms": prof.update_ms, "allreduce_link": asdict(ar),
-            "p2p_link": asdict(p2p), "rows": rows,
+            "p2p_link": asdict(p2p), "profile": {"batch": prof.batch, "update_ms": prof.update_ms,
+                                                  "blocks": [asdict(b) for b in prof.blocks],
+                                                  "small_batch": prof.small_batch,
+                                                  "small": [asdict(b) for b in prof.small]},
+            "bucket_mb": args.bucket_mb, "rows": rows,
             "best_measured": best_measured["layout"], "best_predicted": best_predicted["layout"],
             "forecast_choice_vs_best": best_measured["measured_ms"] / best_predicted["measured_ms"]}
 

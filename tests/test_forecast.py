@@ -21,7 +21,7 @@ def test_a_forecast_ranks_every_layout_and_states_its_assumptions():
     assert {p.layout.pp for p in f.predictions} == {1, 2, 4}
     text = str(f)
     assert "best" in text and "link pcie4: 22 GB/s, 10 us per message (nominal)" in text
-    assert "4 devices like the profiled one: test" in text and "assumes: block times scale linearly" in text
+    assert "4 devices like the profiled one: test" in text and "assumes: a block's time at any microbatch size" in text
     assert forecast(_profile(), 4, 64, NAMED["nvlink4"]).link.name == "nvlink4"
 
 
@@ -39,10 +39,13 @@ def test_a_profile_of_a_real_model_saves_and_loads(tmp_path):
     prof = profile_model(model, torch.randn(4, 3, 32, 32))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the model is left as it was
     assert prof.batch == 4 and len(prof.blocks) > 4 and prof.update_ms > 0
+    assert prof.small == () and prof.small_batch == 0  # a quarter of 4 samples is too few for BatchNorm
+    prof8 = profile_model(model, torch.randn(8, 3, 32, 32))
+    assert prof8.small_batch == 2 and len(prof8.small) == len(prof8.blocks)
     assert sum(b.param_bytes for b in prof.blocks) == sum(p.numel() * 4 for p in model.parameters())
     path = tmp_path / "p.json"
-    prof.save(path)
-    assert Profile.load(path) == prof
+    prof8.save(path)
+    assert Profile.load(path) == prof8
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError, match="cannot read a profile.*--save-profile"):
         Profile.load(tmp_path / "bad.json")
@@ -59,3 +62,12 @@ def test_the_command_line_forecasts_from_a_saved_profile(tmp_path, capsys):
                                                                           (2, "eth10"), (4, "eth10")]
     assert "forecast: 4 devices, global batch 64, link eth10" in capsys.readouterr().out
     assert main(["--profile", str(path), "--batch", "64", "--link", "9 parsecs"]) == 2
+
+
+def test_the_blocks_add_up_to_the_whole_step():
+    from pipedp.forecast import _calibrated
+
+    blocks = [BlockProfile("a", 1.0, 2.0, 0, 0, 0), BlockProfile("b", 3.0, 4.0, 0, 0, 0)]
+    got = _calibrated(blocks, 20.0)
+    assert sum(b.cost_ms for b in got) == pytest.approx(20.0)
+    assert got[0].forward_ms == pytest.approx(2.0) and got[1].backward_ms == pytest.approx(8.0)  # shares kept

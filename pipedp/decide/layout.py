@@ -7,8 +7,10 @@ links: data parallelism moves every parameter's gradient each step, a
 pipeline moves activations and idles in its bubble. The prediction:
 
 * compute: each stage's forward and backward, the sums of its profiled
-  blocks scaled linearly to the microbatch's samples, run through the
-  schedule simulator (:mod:`pipedp.pipeline.simulate`) as the executor would
+  blocks at the microbatch's samples (:class:`BlockCosts`: through two
+  profiled sizes where there are two, a fixed part per call plus a part per
+  sample; else in proportion to the samples), run through the schedule
+  simulator (:mod:`pipedp.pipeline.simulate`) as the executor would
   issue them, every stage on its own rank;
 * point-to-point: each cut's activation (and its gradient, back) costs
   :func:`~pipedp.decide.links.p2p_s` on the sender's forward and the
@@ -29,7 +31,7 @@ on a GPU), host overhead beyond a constant per action.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from ..partition.balance import balance
@@ -40,14 +42,56 @@ from ..pipeline.simulate import simulate
 from .cut import ACTION_OVERHEAD_MS, action_durations, stage_times
 from .links import Link, allreduce_s, p2p_s
 
-__all__ = ["Layout", "Prediction", "predict", "layouts", "rank", "ASSUMPTIONS"]
+__all__ = ["BlockCosts", "Layout", "Prediction", "predict", "layouts", "rank", "ASSUMPTIONS"]
 
 ASSUMPTIONS = (
-    "block times scale linearly with the samples of a microbatch (profiled at one size)",
-    "every rank computes as fast as the device the blocks were profiled on, alone",
+    "a block's time at any microbatch size is a fixed part plus a part per sample, fitted to its two profiled sizes "
+    "(in proportion to the samples where one size was profiled)",
+    "every rank computes as fast as the device the blocks were profiled on (blocks scaled to the whole model's step)",
     "gradients are ring-all-reduced per stage in buckets, overlapped with the stage's last backward",
     "the optimizer's update takes the profiled time (SGD with momentum), split over the stages by their parameters",
 )
+
+
+@dataclass(frozen=True)
+class BlockCosts:
+    """The model's blocks profiled on ``batch`` samples, and optionally again on ``small_batch`` samples.
+
+    Two sizes give each block's fixed cost per call (kernel launches, small
+    tensors' poorer efficiency), which is what makes many small microbatches
+    slower than their samples alone say.
+    """
+
+    blocks: tuple[BlockProfile, ...]
+    batch: int
+    small: tuple[BlockProfile, ...] = ()
+    small_batch: int = 0
+
+    def __post_init__(self) -> None:
+        if self.small and (len(self.small) != len(self.blocks) or not 0 < self.small_batch < self.batch):
+            raise ValueError(f"a second profile needs the same {len(self.blocks)} blocks on fewer samples than "
+                             f"{self.batch}; got {len(self.small)} blocks on {self.small_batch}")
+
+    def at(self, samples: float) -> list[BlockProfile]:
+        """Every block's costs on a microbatch of ``samples``."""
+        r = samples / self.batch
+        if not self.small:
+            return [replace(b, forward_ms=b.forward_ms * r, backward_ms=b.backward_ms * r,
+                            output_bytes=round(b.output_bytes * r), saved_bytes=round(b.saved_bytes * r))
+                    for b in self.blocks]
+        out = []
+        for big, lit in zip(self.blocks, self.small):
+            out.append(replace(big, forward_ms=self._affine(big.forward_ms, lit.forward_ms, samples),
+                               backward_ms=self._affine(big.backward_ms, lit.backward_ms, samples),
+                               output_bytes=round(big.output_bytes * r), saved_bytes=round(big.saved_bytes * r)))
+        return out
+
+    def _affine(self, big: float, small: float, samples: float) -> float:
+        # t(n) = fixed + n * per_sample through both sizes; a fixed part outside [0, min] is noise: clamped.
+        per = (big - small) / (self.batch - self.small_batch)
+        fixed = min(max(big - per * self.batch, 0.0), min(big, small))
+        per = (big - fixed) / self.batch
+        return fixed + per * samples
 
 
 @dataclass(frozen=True)
@@ -82,26 +126,26 @@ class Prediction:
     bubble: float  # idle share of the stages within the compute
 
 
-def predict(blocks: Sequence[BlockProfile], profile_batch: int, layout: Layout, global_batch: int, link: Link,
-            *, p2p: Link | None = None, update_ms: float = 0.0, bucket_bytes: float = 25 * 2**20,
+def predict(costs: BlockCosts, layout: Layout, global_batch: int, link: Link, *, p2p: Link | None = None,
+            update_ms: float = 0.0, bucket_bytes: float = 25 * 2**20,
             overhead_ms: float = ACTION_OVERHEAD_MS) -> Prediction:
-    """The step of ``layout`` training ``global_batch`` samples over ``link`` (blocks timed on ``profile_batch``).
+    """The step of ``layout`` training ``global_batch`` samples over ``link``.
 
     ``p2p``: the link between pipeline ranks where it differs from the collectives' (a measured world);
     ``update_ms``: the optimizer update of the whole model on one device.
     """
-    if sum(layout.counts) != len(blocks):
-        raise ValueError(f"layout {layout.label} cuts {sum(layout.counts)} blocks; the profile has {len(blocks)}")
+    if sum(layout.counts) != len(costs.blocks):
+        raise ValueError(f"layout {layout.label} cuts {sum(layout.counts)} blocks; the profile has "
+                         f"{len(costs.blocks)}")
     if global_batch % layout.dp:
         raise ValueError(f"a global batch of {global_batch} does not split over dp={layout.dp} replicas: "
                          f"use a multiple of {layout.dp}")
-    scale = global_batch / layout.dp / layout.microbatches / profile_batch
+    blocks = costs.at(global_batch / layout.dp / layout.microbatches)
     fwd, bwd = stage_times(blocks, layout.counts)
-    fwd, bwd = [f * scale for f in fwd], [b * scale for b in bwd]
     ends = [sum(layout.counts[: s + 1]) - 1 for s in range(layout.pp)]
     worst_p2p = 0.0
     for s in range(layout.pp - 1):
-        t = p2p_s(p2p or link, blocks[ends[s]].output_bytes * scale) * 1e3
+        t = p2p_s(p2p or link, blocks[ends[s]].output_bytes) * 1e3
         fwd[s] += t
         bwd[s + 1] += t
         worst_p2p = max(worst_p2p, 2 * t)
@@ -151,12 +195,11 @@ def layouts(blocks: Sequence[BlockProfile], ranks: int, global_batch: int,
     return out
 
 
-def rank(blocks: Sequence[BlockProfile], profile_batch: int, ranks: int, global_batch: int, link: Link, *,
-         p2p: Link | None = None, update_ms: float = 0.0, microbatches: Sequence[int] = (1, 2, 4, 8),
-         schedules: Sequence[str] = ("1f1b",), bucket_bytes: float = 25 * 2**20,
-         overhead_ms: float = ACTION_OVERHEAD_MS) -> list[Prediction]:
+def rank(costs: BlockCosts, ranks: int, global_batch: int, link: Link, *, p2p: Link | None = None,
+         update_ms: float = 0.0, microbatches: Sequence[int] = (1, 2, 4, 8), schedules: Sequence[str] = ("1f1b",),
+         bucket_bytes: float = 25 * 2**20, overhead_ms: float = ACTION_OVERHEAD_MS) -> list[Prediction]:
     """Every layout of :func:`layouts`, predicted, fastest first."""
-    preds = [predict(blocks, profile_batch, lay, global_batch, link, p2p=p2p, update_ms=update_ms,
-                     bucket_bytes=bucket_bytes, overhead_ms=overhead_ms)
-             for lay in layouts(blocks, ranks, global_batch, microbatches, schedules)]
+    preds = [predict(costs, lay, global_batch, link, p2p=p2p, update_ms=update_ms, bucket_bytes=bucket_bytes,
+                     overhead_ms=overhead_ms)
+             for lay in layouts(costs.blocks, ranks, global_batch, microbatches, schedules)]
     return sorted(preds, key=lambda p: p.step_ms)

@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from pipedp.decide.layout import Layout, layouts, predict, rank
+from pipedp.decide.layout import BlockCosts, Layout, layouts, predict, rank
 from pipedp.decide.links import Link
 from pipedp.partition.profile import BlockProfile
 
@@ -14,42 +14,46 @@ def blocks(n=8, fwd=1.0, bwd=2.0, out=1 << 20, params=4 << 20):
     return [BlockProfile(f"b{i}", fwd, bwd, out, out, params) for i in range(n)]
 
 
+def costs(bl, batch=16):
+    return BlockCosts(tuple(bl), batch)
+
+
 def test_one_replica_of_one_stage_is_the_profiled_step_scaled_to_the_batch():
     bl = blocks()
-    p = predict(bl, 16, Layout(1, (8,), 1), 64, FREE, overhead_ms=0.0)
+    p = predict(costs(bl), Layout(1, (8,), 1), 64, FREE, overhead_ms=0.0)
     assert p.step_ms == pytest.approx(4 * 8 * 3.0) and p.exposed_ms == 0.0 and p.bubble == 0.0
 
 
 def test_data_parallel_over_a_free_link_divides_the_compute():
     bl = blocks()
-    p = predict(bl, 16, Layout(4, (8,), 1), 64, FREE, overhead_ms=0.0)
+    p = predict(costs(bl), Layout(4, (8,), 1), 64, FREE, overhead_ms=0.0)
     assert p.step_ms == pytest.approx(8 * 3.0)
 
 
 def test_a_pipeline_pays_its_bubble_and_data_parallel_its_sync():
     bl = blocks()
-    pp = predict(bl, 16, Layout(1, (4, 4), 4), 64, FREE, overhead_ms=0.0)
+    pp = predict(costs(bl), Layout(1, (4, 4), 4), 64, FREE, overhead_ms=0.0)
     # 2 stages x 4 microbatches: (M + S - 1) / M of the ideal half-model time.
     assert pp.step_ms == pytest.approx(5 / 4 * 64 / 16 * 4 * 3.0) and pp.bubble == pytest.approx(0.2)
-    dp_slow = predict(bl, 16, Layout(2, (8,), 1), 64, SLOW, overhead_ms=0.0)
+    dp_slow = predict(costs(bl), Layout(2, (8,), 1), 64, SLOW, overhead_ms=0.0)
     sync = 2 * 1e-4 * 2 + 32 * 2**20 / 1e8  # 2 buckets of 25 MiB for 32 MiB, ring over 2 ranks
     assert dp_slow.allreduce_ms == pytest.approx(sync * 1e3)
-    assert dp_slow.exposed_ms > 0 and dp_slow.step_ms > predict(bl, 16, Layout(2, (8,), 1), 64, FREE,
+    assert dp_slow.exposed_ms > 0 and dp_slow.step_ms > predict(costs(bl), Layout(2, (8,), 1), 64, FREE,
                                                                 overhead_ms=0.0).step_ms
 
 
 def test_the_update_is_split_over_the_stages_by_their_parameters():
     bl = blocks()
-    one = predict(bl, 16, Layout(1, (8,), 1), 64, FREE, update_ms=8.0, overhead_ms=0.0)
+    one = predict(costs(bl), Layout(1, (8,), 1), 64, FREE, update_ms=8.0, overhead_ms=0.0)
     assert one.step_ms == pytest.approx(96.0 + 8.0)
-    two = predict(bl, 16, Layout(1, (4, 4), 4), 64, FREE, update_ms=8.0, overhead_ms=0.0)
+    two = predict(costs(bl), Layout(1, (4, 4), 4), 64, FREE, update_ms=8.0, overhead_ms=0.0)
     assert two.step_ms == pytest.approx(60.0 + 4.0)
 
 
 def test_a_slow_link_and_heavy_parameters_favour_the_pipeline_a_free_link_data_parallel():
     heavy = blocks(params=64 << 20, out=1 << 16)
-    assert rank(heavy, 16, 2, 64, FREE)[0].layout.pp == 1
-    assert rank(heavy, 16, 2, 64, SLOW)[0].layout.pp == 2
+    assert rank(costs(heavy), 2, 64, FREE)[0].layout.pp == 1
+    assert rank(costs(heavy), 2, 64, SLOW)[0].layout.pp == 2
 
 
 def test_layouts_are_those_the_engine_can_run():
@@ -60,7 +64,7 @@ def test_layouts_are_those_the_engine_can_run():
     assert all(pp in (1, 2) for _, pp, _ in got)
     assert {lay.dp for lay in layouts(bl, 4, 6)} == {2}  # 6 samples split over 2 replicas, not over 4
     with pytest.raises(ValueError, match="does not split over dp=4"):
-        predict(bl, 16, Layout(4, (3,), 1), 6, FREE)
+        predict(costs(bl), Layout(4, (3,), 1), 6, FREE)
 
 
 def test_the_choice_is_never_slower_than_a_layout_it_could_have_chosen_over_random_costs():
@@ -71,7 +75,23 @@ def test_the_choice_is_never_slower_than_a_layout_it_could_have_chosen_over_rand
                            0, rng.randint(0, 1 << 26)) for i in range(n)]
         link = Link("r", rng.uniform(0, 1e-3), rng.uniform(1e7, 1e11))
         ranks, batch = rng.choice([2, 4, 8]), rng.choice([32, 64, 128])
-        preds = rank(bl, 8, ranks, batch, link, update_ms=rng.uniform(0, 20))
+        preds = rank(costs(bl, 8), ranks, batch, link, update_ms=rng.uniform(0, 20))
         assert preds and all(preds[0].step_ms <= p.step_ms for p in preds)
         for p in preds:  # every prediction is at least its compute and its layout's own sync
             assert p.step_ms >= p.compute_ms - 1e-9 and p.exposed_ms >= 0
+
+
+def test_two_profiled_sizes_give_each_block_a_fixed_cost_per_call():
+    big = [BlockProfile("a", 10.0, 20.0, 1 << 20, 0, 0)]
+    small = [BlockProfile("a", 4.0, 8.0, 1 << 18, 0, 0)]  # a quarter of the samples: 2 ms + 2 ms fixed
+    c = BlockCosts(tuple(big), 16, tuple(small), 4)
+    (at8,) = c.at(8)
+    assert at8.forward_ms == pytest.approx(6.0) and at8.backward_ms == pytest.approx(12.0)
+    assert at8.output_bytes == 1 << 19
+    assert BlockCosts(tuple(big), 16).at(8)[0].forward_ms == pytest.approx(5.0)  # one size: in proportion
+    # Eight microbatches of 2 pay the fixed part eight times: slower than the samples alone say.
+    assert 8 * c.at(2)[0].forward_ms > 8 * BlockCosts(tuple(big), 16).at(2)[0].forward_ms
+    noisy = BlockCosts(tuple(big), 16, (BlockProfile("a", 1.0, 1.0, 0, 0, 0),), 4)  # faster than in proportion
+    assert noisy.at(8)[0].forward_ms == pytest.approx(5.0)  # no negative fixed part
+    with pytest.raises(ValueError, match="fewer samples than 16"):
+        BlockCosts(tuple(big), 16, tuple(small), 16)
