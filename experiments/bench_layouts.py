@@ -154,6 +154,9 @@ def _parser() -> argparse.ArgumentParser:
 def bench(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the benchmark for ``argv``; the report (also written to --out when given)."""
     args = _parser().parse_args(argv)
+    if args.procs < 2 or args.procs % 2:
+        raise SystemExit(f"--procs {args.procs}: the layouts of a world need an even number of ranks, at least 2 "
+                         f"(the point-to-point probe pairs neighbours)")
     rows = run_world(_measure, _table, args)
     return world_report("bench_layouts", args, rows, assumptions=list(ASSUMPTIONS))
 

@@ -83,22 +83,24 @@ echo "== (c) depthwise benchmark" | tee -a "$log"
 db=$(mktemp -d)/db
 bench=(--kernels .gpu/kernels --out "$out" --db "$db")
 t=$(left 120)  # (the training step keeps 120 s)
+[ "$t" -lt 30 ] && t=$(left 0)  # a short budget: the benchmark first, the step only if time is left
+if [ "$t" -lt 20 ]; then echo "== (c) not run: ${t}s left of GPU_KERNELS_BUDGET=$budget" | tee -a "$log"; exit 1; fi
 if [ "$quick" = "--quick" ]; then
   bench+=(--sizes 32 --batches 128 --rounds 2 --time-limit $(( t * 2 / 3 < 60 ? t * 2 / 3 : 60 )))
 else
-  bench+=(--time-limit $(( t > 120 ? t - 60 : t * 2 / 3 )))  # rows not started by then say so; the rest writes
+  bench+=(--time-limit $(( t - (t / 3 > 60 ? t / 3 : 60) > 20 ? t - (t / 3 > 60 ? t / 3 : 60) : t * 2 / 3 )))  # rows not started by then say so; the rest writes
 fi
 timeout "$t" python3 -m experiments.bench_depthwise_gpu "${bench[@]}" 2>&1 | tee -a "$log" || status=1
 
 echo "== (d) MobileNetV2 training step, kernels=auto vs torch, each in its best layout" | tee -a "$log"
-if [ -f "$db/records.jsonl" ]; then
+if [ -f "$db/records.jsonl" ] && [ "$(left 0)" -ge 20 ]; then
   steps=(--windows 5 --window 5)
   [ "$quick" = "--quick" ] && steps=(--windows 2 --window 3)
   timeout "$(left 0)" python3 -m experiments.bench_kernels_train --device cuda --model mobilenet_v2 \
     --input-shape 128,3,32,32 --layout best --db "$db" "${steps[@]}" --out "$out/train_step.json" 2>&1 \
     | tee -a "$log" || status=1
 else
-  echo "no kernel database from (c) (no library carried?): training step skipped" | tee -a "$log"
+  echo "no kernel database from (c) (no library carried?) or no time left: training step skipped" | tee -a "$log"
   status=1
 fi
 exit $status

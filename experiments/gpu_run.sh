@@ -45,7 +45,7 @@ parts=(
   "digits|4|reproduce-paper accuracy: ResNet-18 on digits, plain vs pipedp"
   "paper-speed|6|reproduce-paper end to end on synthetic CIFAR-shaped data: ResNet-18/34/50 speed table + a pipeline trace"
   "dp|3|data-parallel sync machinery on one GPU (a group of one) vs none and vs DDP"
-  "forecast|1|issue 28: H100 block profiles of CIFAR ResNet-18/34/50 (batch 16, 32) and the layout forecast for 2, 4, 8 GPUs over PCIe 4 and NVLink 4"
+  "forecast|3|issue 28: H100 block profiles of CIFAR ResNet-18/34/50 (batch 16, 32) and the layout forecast for 2, 4, 8 GPUs over PCIe 4 and NVLink 4, global batch 128"
   "layouts-16core|9|issue 28: every dp x pp layout of 4 and 8 CPU processes measured against its forecast (ResNet-18/50, global batch 64)"
 )
 
@@ -143,8 +143,8 @@ case "$part" in
       --trace "$out/trace.json" --out "$out/paper_speed" 2>&1 | log || status=1 ;;
   forecast)
     for m in resnet18 resnet34 resnet50; do
-      for b in 16 32; do  # the per-GPU microbatch of a global batch of 128 over 8 and over 4 GPUs
-        timeout 120 $py -m pipedp.forecast --model "$m" --device cuda --profile-batch "$b" --batch $((b * 8)) \
+      for b in 16 32; do  # one replica's batch of a global batch of 128 over 8 and over 4 GPUs
+        timeout 60 $py -m pipedp.forecast --model "$m" --device cuda --profile-batch "$b" --batch 128 \
           --devices 2,4,8 --link pcie4,nvlink4 --save-profile "$out/profile_${m}_b${b}.json" \
           --json "$out/forecast_${m}_b${b}.json" 2>&1 | log || status=1
       done

@@ -15,6 +15,7 @@ set -uo pipefail
 out=${1:?usage: gpu_session.sh OUT DEADLINE_S STEP...}
 deadline=${2:?usage: gpu_session.sh OUT DEADLINE_S STEP...}
 shift 2
+mkdir -p "$out" && out=$(cd "$out" && pwd) || exit 1
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo" || exit 1
 work=$(mktemp -d)
@@ -25,8 +26,8 @@ export PYTHONUNBUFFERED=1
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/pipedp-inductor}
 
 if ! python3 -c "import tvm_ffi" 2>/dev/null && compgen -G ".gpu/wheels/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/wheels/*.whl 2>&1 | tee -a "$log"
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/wheels/*.whl >>"$log" 2>&1 \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 [ -d .gpu/tvmlib ] && export PIPEDP_TVM_LIB=$repo/.gpu/tvmlib
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv 2>&1 | tee -a "$log"
@@ -35,22 +36,25 @@ pack() { tar czf "$out/results.tgz.tmp" -C "$work" . && mv "$out/results.tgz.tmp
 status=0
 for step in "$@"; do
   IFS=: read -r name secs quick <<<"$step"
+  if ! [[ $secs =~ ^[0-9]+$ ]]; then echo "== $step: not run, give it seconds (NAME:SECONDS)" | tee -a "$log"; continue; fi
   left=$(( deadline - SECONDS - 5 ))
   [ "$secs" -gt "$left" ] && secs=$left
-  if [ "$secs" -lt 30 ]; then echo "== $name: not run, ${left}s left before the deadline" | tee -a "$log"; continue; fi
+  if [ "$secs" -lt 30 ]; then echo "== $name: not run, ${secs}s is under 30 s (${left}s left before the deadline)" | tee -a "$log"; continue; fi
   mkdir -p "$work/$name"
   echo "== $name: ${secs}s (at ${SECONDS}s)" | tee -a "$log"
   quickflag=${quick:+--quick}
   if [ "$name" = "kernels" ]; then
-    GPU_KERNELS_BUDGET=$(( secs - 10 )) timeout -k 5 "$secs" bash experiments/gpu_kernels.sh "$work/$name" $quickflag \
-      >>"$log" 2>&1 || { echo "== $name: exit $?" | tee -a "$log"; status=1; }
+    cmd=(env GPU_KERNELS_BUDGET=$(( secs - 10 )) bash experiments/gpu_kernels.sh "$work/$name" $quickflag)
   else
-    timeout -k 5 "$secs" bash experiments/gpu_run.sh "$work/$name" "$name" $quickflag >>"$log" 2>&1 \
-      || { echo "== $name: exit $?" | tee -a "$log"; status=1; }
+    cmd=(bash experiments/gpu_run.sh "$work/$name" "$name" $quickflag)
   fi
-  # A part's own `timeout` runs its Python in a process group of its own, which the step's limit does not reach:
-  # end whatever the step left running before the next one takes the GPU.
-  pkill -9 -f "python3 -m (pytest|experiments|pipedp)" 2>/dev/null
+  # Each step in a session of its own: a part's own `timeout` puts its Python in another process group, which the
+  # step's limit does not reach, and benchmarks spawn worker processes; everything left in the session is ended
+  # before the next step takes the GPU.
+  setsid timeout -k 5 "$secs" "${cmd[@]}" >>"$log" 2>&1 &
+  sid=$!
+  wait "$sid" || { echo "== $name: exit $?" | tee -a "$log"; status=1; }
+  pkill -9 -s "$sid" 2>/dev/null
   pack
 done
 echo "== done at ${SECONDS}s" | tee -a "$log"

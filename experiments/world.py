@@ -4,7 +4,8 @@ Every rank joins a process group (gloo on CPU with ``args.threads`` threads
 per process, NCCL on CUDA with one GPU per rank) and measures each model of
 ``args.models`` in turn with the benchmark's ``measure(name, args, device,
 rank, world)`` (collective: all ranks call it together); rank 0 prints each
-result's line and keeps the results as JSON after every model, which
+result's line and keeps the results as JSON after every model (in
+``args.out`` too, marked partial, so a run cut short keeps them), which
 :func:`run_world` returns once every rank is done.
 """
 
@@ -48,6 +49,8 @@ def _entry(rank: int, world: int, port: int, measure: Measure, show: Show, args:
             if rank == 0:
                 print(show(results[-1]), flush=True)
                 write_json(out_path, results)
+                if args.out:  # what is done so far survives a run cut short; the full report replaces it
+                    write_json(args.out, {"partial": True, "results": results}, indent=2)
         dist.barrier()
     finally:
         dist.destroy_process_group()

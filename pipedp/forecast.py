@@ -151,7 +151,8 @@ def profile_model(model: nn.Module, sample: torch.Tensor, *, depth: int = 1, pro
     with preserved_state(model, [device]), module_mode(model, training=True), torch.enable_grad():
         for x in sizes:
             profiles = profile_blocks(measurable(blocks), x, progress=progress, copy_input=copy_input)
-            timed.append(_calibrated(profiles, whole_ms(model, x)))
+            # The whole step on a copy where the first block modifies its input in place (the caller's batch).
+            timed.append(_calibrated(profiles, whole_ms(model, x.clone() if copy_input[0] else x)))
     return Profile(timed[0], sample.shape[0], _device_name(device), torch.get_num_threads(),
                    update_ms(model, device), timed[1] if len(timed) > 1 else (), small_batch if len(timed) > 1 else 0)
 
@@ -193,14 +194,15 @@ def forecast(profile: Profile, ranks: int, global_batch: int, link: str | Link, 
              bucket_mb: float = 25.0) -> Forecast:
     """The layouts of ``ranks`` devices joined by ``link`` (a name of :data:`~pipedp.decide.links.NAMED` or
     ``"<GB/s> GB/s, <latency> us"``) training ``global_batch`` samples a step, fastest first."""
-    if ranks < 1:
-        raise ValueError(f"ranks must be >= 1, got {ranks}")
+    if ranks < 1 or global_batch < 1:
+        raise ValueError(f"ranks and global_batch must be >= 1, got {ranks} and {global_batch}")
     lk = parse_link(link)
     preds = rank(profile.costs(), ranks, global_batch, lk, update_ms=profile.update_ms,
                  microbatches=microbatches, schedules=schedules, bucket_bytes=bucket_mb * 2**20)
     if not preds:
         raise ValueError(f"no layout of {ranks} devices runs a global batch of {global_batch}: use a batch that "
-                         f"divides by the data-parallel replicas (a multiple of {ranks})")
+                         f"divides by the data-parallel replicas with at least 2 samples each (a multiple of "
+                         f"{ranks}, at least {2 * ranks})")
     return Forecast(profile, ranks, global_batch, lk, tuple(preds))
 
 
@@ -252,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.json:
             write_text(args.json, json.dumps({"profile_device": prof.device, "profile_batch": prof.batch,
                                               "assumptions": list(ASSUMPTIONS), "forecasts": out}, indent=1) + "\n")
-    except ValueError as e:
+    except (ValueError, argparse.ArgumentTypeError) as e:
         print(f"pipedp.forecast: {e}", file=sys.stderr)
         return 2
     return 0

@@ -62,6 +62,7 @@ def test_the_command_line_forecasts_from_a_saved_profile(tmp_path, capsys):
                                                                           (2, "eth10"), (4, "eth10")]
     assert "forecast: 4 devices, global batch 64, link eth10" in capsys.readouterr().out
     assert main(["--profile", str(path), "--batch", "64", "--link", "9 parsecs"]) == 2
+    assert main(["--model", "resnet18", "--input", "3,x", "--batch", "8", "--device", "cpu"]) == 2  # no traceback
 
 
 def test_the_blocks_add_up_to_the_whole_step():

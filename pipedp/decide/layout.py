@@ -121,7 +121,7 @@ class Prediction:
     step_ms: float
     compute_ms: float  # the simulated pipeline, point-to-point included, without the gradient sync
     allreduce_ms: float  # the slowest stage's gradient all-reduce, whole
-    exposed_ms: float  # the part of the slowest stage's sync not hidden behind its backward
+    exposed_ms: float  # the most of any stage's sync not hidden behind its backward
     p2p_ms: float  # one microbatch's activation and gradient over the slowest cut
     bubble: float  # idle share of the stages within the compute
 
@@ -134,6 +134,11 @@ def predict(costs: BlockCosts, layout: Layout, global_batch: int, link: Link, *,
     ``p2p``: the link between pipeline ranks where it differs from the collectives' (a measured world);
     ``update_ms``: the optimizer update of the whole model on one device.
     """
+    if any(k < 1 for k in layout.counts) or layout.dp < 1 or layout.microbatches < 1:
+        raise ValueError(f"layout {layout.label}: every stage needs a block, dp and microbatches >= 1 "
+                         f"(counts {list(layout.counts)})")
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
     if sum(layout.counts) != len(costs.blocks):
         raise ValueError(f"layout {layout.label} cuts {sum(layout.counts)} blocks; the profile has "
                          f"{len(costs.blocks)}")
@@ -176,7 +181,7 @@ def layouts(blocks: Sequence[BlockProfile], ranks: int, global_batch: int,
     """Every layout of ``ranks`` ranks the engine can run on ``global_batch``: each ``pp`` dividing ``ranks``.
 
     The cut of each pipeline is the balanced one of the profiled costs;
-    microbatches hold at least two samples (a BatchNorm needs them); one
+    replicas and microbatches hold at least two samples (a BatchNorm needs them); one
     stage is never microbatched (with compute linear in the samples it only
     adds overhead).
     """
@@ -189,7 +194,7 @@ def layouts(blocks: Sequence[BlockProfile], ranks: int, global_batch: int,
         counts = tuple(balance(costs, pp)) if pp > 1 else (len(blocks),)
         per_replica = global_batch // dp
         for m in (microbatches if pp > 1 else (1,)):
-            if m <= per_replica // MIN_SAMPLES or m == 1:
+            if m <= per_replica // MIN_SAMPLES:
                 for sched in (schedules if pp > 1 else ("1f1b",)):
                     out.append(Layout(dp, counts, m, sched))
     return out

@@ -9,7 +9,7 @@ layout model (:mod:`pipedp.decide.layout`) adds to the simulated compute.
 
 Named links are nominal figures for a forecast of a machine nobody here has
 measured: the bandwidth a collective achieves over them (bus bandwidth, about
-70-80% of the wire's peak), stated in :data:`NAMED` and printed with every
+70-90% of the wire's peak), stated in :data:`NAMED` and printed with every
 forecast. A measured link (:func:`fit`) replaces them wherever the world can
 be measured.
 """
@@ -63,7 +63,8 @@ _UNITS = {"GB/s": 1e9, "Gb/s": 1e9 / 8, "MB/s": 1e6}  # bytes per second of each
 
 
 def parse_link(spec: str | Link) -> Link:
-    """A link by name (:data:`NAMED`) or as ``"<bandwidth> GB/s|Gb/s|MB/s[, <latency> us|ms]"``."""
+    """A link by name (:data:`NAMED`) or as ``"<bandwidth> GB/s|Gb/s|MB/s[, <latency> us|ms]"`` (latency 10 us
+    when not given)."""
     if isinstance(spec, Link):
         return spec
     key = spec.strip().lower()

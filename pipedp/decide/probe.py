@@ -62,7 +62,11 @@ def probe_allreduce(group: Any = None, device: torch.device | str = "cpu", sizes
 
 def probe_p2p(peer: int, group: Any = None, device: torch.device | str = "cpu", sizes: Sequence[int] = SIZES,
               repeats: int = 5) -> Link:
-    """The link between this rank and ``peer`` (global ranks; both call it, naming each other; ``group`` holds both).
+    """The link between this rank and ``peer`` (global ranks; both call it, naming each other).
+
+    Collective over ``group`` (default: the world): every rank of it calls
+    the probe at the same point, naming its own partner (the timings are
+    synchronised with a barrier and the slowest rank's is kept).
 
     Each timing is a round trip (send and receive back) halved: one rank's
     clock times both directions, which is what a cut costs (an activation

@@ -61,6 +61,7 @@ def test_layouts_are_those_the_engine_can_run():
     got = {(lay.dp, lay.pp, lay.microbatches) for lay in layouts(bl, 4, 16, microbatches=(1, 2, 4, 8))}
     # pp divides the ranks and is at most the blocks; replicas split the batch; >= 2 samples per microbatch.
     assert (4, 1, 1) in got and (2, 2, 4) in got and (2, 2, 8) not in got
+    assert {lay.dp for lay in layouts(bl, 8, 8)} == {4}  # 8 replicas of 1 sample: BatchNorm cannot train them
     assert all(pp in (1, 2) for _, pp, _ in got)
     assert {lay.dp for lay in layouts(bl, 4, 6)} == {2}  # 6 samples split over 2 replicas, not over 4
     with pytest.raises(ValueError, match="does not split over dp=4"):
@@ -75,10 +76,20 @@ def test_the_choice_is_never_slower_than_a_layout_it_could_have_chosen_over_rand
                            0, rng.randint(0, 1 << 26)) for i in range(n)]
         link = Link("r", rng.uniform(0, 1e-3), rng.uniform(1e7, 1e11))
         ranks, batch = rng.choice([2, 4, 8]), rng.choice([32, 64, 128])
-        preds = rank(costs(bl, 8), ranks, batch, link, update_ms=rng.uniform(0, 20))
-        assert preds and all(preds[0].step_ms <= p.step_ms for p in preds)
-        for p in preds:  # every prediction is at least its compute and its layout's own sync
-            assert p.step_ms >= p.compute_ms - 1e-9 and p.exposed_ms >= 0
+        update = rng.uniform(0, 20)
+        preds = rank(costs(bl, 8), ranks, batch, link, update_ms=update)
+        every = [predict(costs(bl, 8), lay, batch, link, update_ms=update) for lay in layouts(bl, ranks, batch)]
+        assert preds and len(preds) == len(every) and preds[0].step_ms == min(p.step_ms for p in every)
+        # A faster link never makes a layout slower, and a pipeline's step is at least its slowest stage's work.
+        faster = Link("f", link.alpha_s / 2, link.bytes_per_s * 2)
+        for p in every:
+            assert predict(costs(bl, 8), p.layout, batch, faster, update_ms=update).step_ms <= p.step_ms + 1e-9
+            per_mb = batch / p.layout.dp / p.layout.microbatches / 8
+            start = 0
+            for k in p.layout.counts:
+                work = sum(b.cost_ms for b in bl[start:start + k]) * per_mb * p.layout.microbatches
+                assert p.step_ms >= work - 1e-6
+                start += k
 
 
 def test_two_profiled_sizes_give_each_block_a_fixed_cost_per_call():
@@ -95,3 +106,11 @@ def test_two_profiled_sizes_give_each_block_a_fixed_cost_per_call():
     assert noisy.at(8)[0].forward_ms == pytest.approx(5.0)  # no negative fixed part
     with pytest.raises(ValueError, match="fewer samples than 16"):
         BlockCosts(tuple(big), 16, tuple(small), 16)
+
+
+def test_layouts_that_cannot_run_are_refused_by_name():
+    bl = blocks(n=3)
+    with pytest.raises(ValueError, match="every stage needs a block"):
+        predict(costs(bl), Layout(1, (3, 0), 2), 16, FREE)
+    with pytest.raises(ValueError, match="bucket_bytes must be > 0"):
+        predict(costs(bl), Layout(1, (3,), 1), 16, FREE, bucket_bytes=0)

@@ -36,7 +36,7 @@ def test_fit_recovers_a_link_from_its_own_times():
     # With steps: an all-reduce's time is alpha per step plus its carried bytes over the bandwidth.
     steps, carried = [2.0] * 4, [n for n in sizes]
     got = fit("ar", carried, [2 * true.alpha_s + n / true.bytes_per_s for n in carried], steps=steps)
-    assert got.alpha_s == pytest.approx(true.alpha_s, rel=1e-6)
+    assert got.alpha_s == pytest.approx(true.alpha_s, rel=1e-6) and got.bytes_per_s == pytest.approx(2.5e9, rel=1e-6)
 
 
 def test_fit_clamps_a_negative_latency_and_refuses_what_cannot_fit():

@@ -4,6 +4,7 @@ import torch.distributed as dist
 from pipedp.decide.probe import probe_allreduce, probe_p2p
 from tests.multiproc import run
 
+
 def _probe(rank, world):
     ar = probe_allreduce(repeats=3)
     p2p = probe_p2p(1 - rank, repeats=3)

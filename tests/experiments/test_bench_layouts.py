@@ -13,5 +13,11 @@ def test_the_layouts_benchmark_measures_and_forecasts_every_layout(tmp_path):
     for row in r["rows"]:
         assert row["measured_ms"] > 0 and row["predicted_ms"] > 0
         assert row["error"] == pytest.approx(row["predicted_ms"] / row["measured_ms"] - 1)
-    assert r["best_predicted"] in {row["layout"] for row in r["rows"]} and r["forecast_choice_vs_best"] <= 1.0
+    by = {row["layout"]: row for row in r["rows"]}
+    assert r["best_predicted"] == min(by, key=lambda k: by[k]["predicted_ms"])
+    assert r["best_measured"] == min(by, key=lambda k: by[k]["measured_ms"])
+    assert r["forecast_choice_vs_best"] == pytest.approx(
+        by[r["best_measured"]]["measured_ms"] / by[r["best_predicted"]]["measured_ms"])
+    with pytest.raises(SystemExit, match="even number of ranks"):
+        bench_layouts.bench(["--procs", "3"])
     assert out.exists()

@@ -22,6 +22,10 @@ RESULTS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "..", "
                                         "layouts_cpu_*.json")))
 
 
+def test_the_results_are_there():
+    assert RESULTS, "experiments/results/layouts_cpu_*.json: the committed runs this test re-predicts"
+
+
 def _runs():
     for path in RESULTS:
         with open(path) as f:
