@@ -45,8 +45,9 @@ parts=(
   "digits|4|reproduce-paper accuracy: ResNet-18 on digits, plain vs pipedp"
   "paper-speed|6|reproduce-paper end to end on synthetic CIFAR-shaped data: ResNet-18/34/50 speed table + a pipeline trace"
   "dp|3|data-parallel sync machinery on one GPU (a group of one) vs none and vs DDP"
-  "forecast|3|issue 28: H100 block profiles of CIFAR ResNet-18/34/50 (batch 16, 32) and the layout forecast for 2, 4, 8 GPUs over PCIe 4 and NVLink 4, global batch 128"
-  "layouts-16core|9|issue 28: every dp x pp layout of 4 and 8 CPU processes measured against its forecast (ResNet-18/50, global batch 64)"
+  "forecast|3|issue 28: H100 block profiles of CIFAR ResNet-18/34/50 and the layout forecast for 2, 4, 8 GPUs over PCIe 4 and NVLink 4, global batch 128"
+  "layouts-4procs|5|issue 28: every dp x pp layout of 4 CPU processes (4 threads each) measured against its forecast (ResNet-18/50, global batch 64)"
+  "layouts-8procs|8|the same with 8 processes of 2 threads"
 )
 
 if [ "$part" = "list" ]; then
@@ -142,18 +143,12 @@ case "$part" in
       --models "$models" --train-images "$images" --dataset synthetic --epochs 2 --test-images 512 \
       --trace "$out/trace.json" --out "$out/paper_speed" 2>&1 | log || status=1 ;;
   forecast)
-    for m in resnet18 resnet34 resnet50; do
-      for b in 16 32; do  # one replica's batch of a global batch of 128 over 8 and over 4 GPUs
-        timeout 60 $py -m pipedp.forecast --model "$m" --device cuda --profile-batch "$b" --batch 128 \
-          --devices 2,4,8 --link pcie4,nvlink4 --save-profile "$out/profile_${m}_b${b}.json" \
-          --json "$out/forecast_${m}_b${b}.json" 2>&1 | log || status=1
-      done
-    done ;;
-  layouts-16core)
-    for procs in 4 8; do
-      timeout 260 $py -m experiments.bench_layouts --procs "$procs" --threads $((16 / procs)) --models resnet18,resnet50 \
-        --batch 64 --rounds 2 --out "$out/layouts_${procs}procs.json" 2>&1 | log || status=1
-    done ;;
+    timeout 300 $py -m experiments.forecast_table --device cuda --models resnet18,resnet34,resnet50 --batch 128 \
+      --devices 2,4,8 --links pcie4,nvlink4 --out "$out/forecast_h100.json" 2>&1 | log || status=1 ;;
+  layouts-4procs|layouts-8procs)
+    procs=${part#layouts-}; procs=${procs%procs}
+    timeout 500 $py -m experiments.bench_layouts --device cpu --procs "$procs" --threads $((16 / procs)) --models resnet18,resnet50 \
+      --batch 64 --rounds 2 --out "$out/layouts_${procs}procs.json" 2>&1 | log || status=1 ;;
   dp)
     timeout 300 $py -m experiments.bench_dp --device cuda --procs 1 --models resnet18,resnet50 --batch 128 \
       --stages 2 --microbatches 4 --rounds 5 --steps 10 --out "$out/dp.json" 2>&1 | log || status=1 ;;
