@@ -40,14 +40,10 @@ from pipedp.decide.probe import probe_allreduce, probe_p2p
 from pipedp.forecast import profile_model
 from pipedp.models import get_model
 
+from .machine import sync
 from .world import run_world, world_report
 
 PROG = "python -m experiments.bench_layouts"
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _engine(model: nn.Module, layout: Layout, x: torch.Tensor, device: torch.device, args: argparse.Namespace):
@@ -87,11 +83,11 @@ def _measure(name: str, args: argparse.Namespace, device: torch.device, rank: in
     for _ in range(args.rounds):
         for lay, eng, x, y in engines:
             dist.barrier()
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             for _ in range(args.steps):
                 eng.train_step(x, y)
-            _sync(device)
+            sync(device)
             t = torch.tensor([(time.perf_counter() - t0) / args.steps], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step ends for the world when it ends for the last rank
             windows[lay.label].append(t.item() * 1e3)

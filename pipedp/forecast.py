@@ -29,7 +29,7 @@ from torch import nn
 from .atomic import write_text
 from .decide.layout import ASSUMPTIONS, BlockCosts, Prediction, rank
 from .decide.links import NAMED, Link, parse_link
-from .lower import measurable, surrogate_loss
+from .lower import measurable, surrogate_loss, sync_devices
 from .partition.blocks import blocks_of, check_chain, module_mode
 from .partition.profile import BlockProfile, profile_blocks
 from .snapshot import preserved_state
@@ -82,11 +82,6 @@ def _device_name(device: torch.device) -> str:
     return f"{device.type} ({torch.get_num_threads()} threads)"
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def update_ms(model: nn.Module, device: torch.device, repeats: int = 5) -> float:
     """ms of one SGD-with-momentum update of copies of ``model``'s trained parameters on ``device`` (median)."""
     params = [p.detach().clone().requires_grad_(True) for p in model.parameters() if p.requires_grad]
@@ -98,10 +93,10 @@ def update_ms(model: nn.Module, device: torch.device, repeats: int = 5) -> float
     opt.step()  # the momentum buffers, as after a first step
     times = []
     for _ in range(repeats):
-        _sync(device)
+        sync_devices([device])
         t0 = time.perf_counter()
         opt.step()
-        _sync(device)
+        sync_devices([device])
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
@@ -113,10 +108,10 @@ def whole_ms(model: nn.Module, x: torch.Tensor, repeats: int = 3) -> float:
     """ms of the whole model's forward and backward on ``x`` (median after a warm-up; gradients dropped)."""
     times = []
     for i in range(repeats + 1):
-        _sync(x.device)
+        sync_devices([x.device])
         t0 = time.perf_counter()
         surrogate_loss(model(x), x).backward()
-        _sync(x.device)
+        sync_devices([x.device])
         if i:
             times.append((time.perf_counter() - t0) * 1e3)
         model.zero_grad(set_to_none=True)

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from ..lower import sync_devices
 from .links import Link, fit
 
 __all__ = ["probe_allreduce", "probe_p2p", "SIZES"]
@@ -23,20 +24,15 @@ __all__ = ["probe_allreduce", "probe_p2p", "SIZES"]
 SIZES = (1 << 16, 1 << 20, 4 << 20, 16 << 20)  # bytes: from latency-bound to bandwidth-bound
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _median_s(fn: Any, device: torch.device, group: Any, repeats: int) -> float:
     fn()  # warm-up: connections, buffers
     times = []
     for _ in range(repeats):
         dist.barrier(group=group)
-        _sync(device)
+        sync_devices([device])
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        sync_devices([device])
         times.append(time.perf_counter() - t0)
     # Every rank reports the slowest rank's median: a collective ends for all when it ends for the last.
     t = torch.tensor([statistics.median(times)], dtype=torch.float64)
