@@ -48,6 +48,7 @@ parts=(
   "forecast|3|issue 28: H100 block profiles of CIFAR ResNet-18/34/50 and the layout forecast for 2, 4, 8 GPUs over PCIe 4 and NVLink 4, global batch 128"
   "layouts-4procs|5|issue 28: every dp x pp layout of 4 CPU processes (4 threads each) measured against its forecast (ResNet-18/50, global batch 64)"
   "layouts-8procs|8|the same with 8 processes of 2 threads"
+  "cpu-stages|2|concurrent CPU stages on the GPU host's 16 cores vs plain and the best single stage (ResNet-18, batch 128)"
 )
 
 if [ "$part" = "list" ]; then
@@ -149,6 +150,10 @@ case "$part" in
     procs=${part#layouts-}; procs=${procs%procs}
     timeout 500 $py -m experiments.bench_layouts --device cpu --procs "$procs" --threads $((16 / procs)) --models resnet18,resnet50 \
       --batch 64 --rounds 2 --out "$out/layouts_${procs}procs.json" 2>&1 | log || status=1 ;;
+  cpu-stages)
+    rounds=3; [ "$quick" = "--quick" ] && rounds=2
+    timeout 300 $py -m experiments.bench_cpu_stages --models resnet18 --rounds "$rounds" --steps 2 \
+      --auto-microbatches auto --out "$out/cpu_stages_16core.json" 2>&1 | log || status=1 ;;
   dp)
     timeout 300 $py -m experiments.bench_dp --device cuda --procs 1 --models resnet18,resnet50 --batch 128 \
       --stages 2 --microbatches 4 --rounds 5 --steps 10 --out "$out/dp.json" 2>&1 | log || status=1 ;;

@@ -100,7 +100,10 @@ def _dress(stage: Stage, training: TrainingOptions, cuda_graph: bool, compile: b
     """``stage`` as the training options run it: under autocast, compiled, recomputed."""
     stage.autocast = training.autocast_dtype
     stage.autocast_cache = not cuda_graph
-    body: Any = torch.compile(stage.chain) if compile else None
+    # Static shapes: trials compile the same Chain.forward for several microbatch sizes, and dynamo's automatic
+    # dynamic shapes would then serve every size, the chosen one too, with slower symbolic-shape kernels
+    # (ResNet-18 on the H100: the chosen compiled step 3.17 ms against 2.76 ms in its own trial).
+    body: Any = torch.compile(stage.chain, dynamic=False) if compile else None
     if training.recomputes(stage.index):
         body = Recompute(body if body is not None else stage.chain, stage.chain)
     stage.body = body
