@@ -13,7 +13,8 @@ NCCL on CUDA, one GPU each) are the world. In one launch, every rank:
    windows (``--rounds`` x ``--steps``, after ``--warmup`` steps each), the
    slowest rank's median window per layout.
 
-Rank 0 then predicts each layout with the profile and the measured links and
+``pipedp.wrap(..., pp="auto")`` is timed in the same windows (its planning,
+on the global batch, reported apart). Rank 0 then predicts each layout with the profile and the measured links and
 reports measured and predicted step, the forecast's error, and which layout
 each would choose.
 
@@ -44,6 +45,7 @@ from .machine import sync
 from .world import run_world, world_report
 
 PROG = "python -m experiments.bench_layouts"
+AUTO = "pp=auto"
 
 
 def _engine(model: nn.Module, layout: Layout, x: torch.Tensor, device: torch.device, args: argparse.Namespace):
@@ -76,12 +78,21 @@ def _measure(name: str, args: argparse.Namespace, device: torch.device, rank: in
         b = args.batch // lay.dp
         x, y = full[:b], labels[:b]
         engines.append((lay, _engine(copy.deepcopy(base), lay, x, device, args), x, y))
-    for lay, eng, x, y in engines:
+    # pp="auto" beside them: it plans on the global batch (profile, probes, timed finalists), then trains its pick.
+    t0 = time.perf_counter()
+    mine = copy.deepcopy(base)
+    auto = pipedp.wrap(mine, optimizer=torch.optim.SGD(mine.parameters(), lr=0.01, momentum=0.9), loss_fn=nn.CrossEntropyLoss(), pp="auto", microbatches="auto", sample=full, devices=device,
+                       profile=False, progress=False, bucket_mb=args.bucket_mb)
+    auto_setup_s = time.perf_counter() - t0
+    assert auto.world is not None
+    b = args.batch // auto.world.layout.dp
+    runs = [(lay.label, eng, x, y) for lay, eng, x, y in engines] + [(AUTO, auto, full[:b], labels[:b])]
+    for _, eng, x, y in runs:
         for _ in range(args.warmup):
             eng.train_step(x, y)
-    windows: dict[str, list[float]] = {lay.label: [] for lay, *_ in engines}
+    windows: dict[str, list[float]] = {label: [] for label, *_ in runs}
     for _ in range(args.rounds):
-        for lay, eng, x, y in engines:
+        for label, eng, x, y in runs:
             dist.barrier()
             sync(device)
             t0 = time.perf_counter()
@@ -90,8 +101,8 @@ def _measure(name: str, args: argparse.Namespace, device: torch.device, rank: in
             sync(device)
             t = torch.tensor([(time.perf_counter() - t0) / args.steps], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step ends for the world when it ends for the last rank
-            windows[lay.label].append(t.item() * 1e3)
-    for _, eng, _, _ in engines:
+            windows[label].append(t.item() * 1e3)
+    for _, eng, _, _ in runs:
         eng.close()
     rows = []
     for lay in cands:
@@ -113,7 +124,12 @@ def _measure(name: str, args: argparse.Namespace, device: torch.device, rank: in
                                                   "small": [asdict(b) for b in prof.small]},
             "bucket_mb": args.bucket_mb, "rows": rows,
             "best_measured": best_measured["layout"], "best_predicted": best_predicted["layout"],
-            "forecast_choice_vs_best": best_measured["measured_ms"] / best_predicted["measured_ms"]}
+            "forecast_choice_vs_best": best_measured["measured_ms"] / best_predicted["measured_ms"],
+            "auto": {"chosen": auto.world.layout.label, "measured_ms": statistics.median(windows[AUTO]),
+                     "windows_ms": windows[AUTO], "vs_best": best_measured["measured_ms"]
+                     / statistics.median(windows[AUTO]), "planning_s": auto.world.planning_s,
+                     "setup_s": auto_setup_s, "planning_share_10min": auto_setup_s / 600,
+                     "table": auto.world.table()}}
 
 
 def _table(r: dict[str, Any]) -> str:
@@ -127,6 +143,9 @@ def _table(r: dict[str, Any]) -> str:
                      f"{row['error']:+7.1%}")
     lines.append(f"  fastest measured: {r['best_measured']}; forecast's choice: {r['best_predicted']} "
                  f"({r['forecast_choice_vs_best']:.3f}x of the fastest)")
+    a = r["auto"]
+    lines.append(f"  pp=auto chose {a['chosen']}: {a['measured_ms']:.1f} ms, {a['vs_best']:.3f}x of the fastest; "
+                 f"planning {a['setup_s']:.1f} s ({a['planning_share_10min']:.1%} of a 10-minute run)")
     return "\n".join(lines)
 
 

@@ -47,7 +47,7 @@ def wrap(
     rollback: bool = True,
     threads: ThreadsSpec = None,
     plan_budget_s: float = 30.0,
-    pp: int = 1,
+    pp: int | str = 1,
     mesh: DeviceMesh | None = None,
     dp_group: ProcessGroup | None = None,
     pp_group: ProcessGroup | None = None,

@@ -29,6 +29,7 @@ from .decide.choose import decide, microbatch_choices
 from .decide.cut import build_plan, stage_devices
 from .decide.config import Config
 from .decide.decision import Decision
+from .decide.layout import Layout
 from .decide.search import Measure
 from .device import canonical_device
 from .lower import Parts, in_layout, make_executor, set_layout
@@ -92,13 +93,14 @@ def sample_batch(model: nn.Module, sample: torch.Tensor | Sequence[int]) -> torc
 def build_pipeline(model: nn.Module, batch: torch.Tensor, options: PipelineOptions,
                    devices: Sequence[torch.device], comm: Communicator, *, step: int = 0,
                    training: TrainingOptions | None = None, measure: Measure | None = None,
-                   concurrency: ConcurrencyOptions | None = None) -> Pipeline:
+                   concurrency: ConcurrencyOptions | None = None, given: Layout | None = None) -> Pipeline:
     """The pipeline for ``model`` planned on ``batch`` (its first microbatch is what blocks are timed on).
 
     Planning (:func:`pipedp.decide.choose.decide`) makes every choice; this
     executes the decision: the model in the chosen layout, this rank's stages
     compiled or not, the chosen microbatches (``pipe.microbatches``).
-    ``measure`` replaces the clock of ``stages="auto"``'s trials (tests).
+    ``measure`` replaces the clock of ``stages="auto"``'s trials (tests);
+    ``given``: the world layout ``pp="auto"`` chose (:mod:`pipedp.world`).
     """
     training = training if training is not None else TrainingOptions()
     # With their indices (``cuda`` is ``cuda:<current>``), as tensors report theirs: stages, lanes and the
@@ -116,7 +118,7 @@ def build_pipeline(model: nn.Module, batch: torch.Tensor, options: PipelineOptio
     warm: dict[Config, list[Stage]] = {}  # compiled stages of the deciding rank's trials, to reuse
     profiles, decision = comm.decide(
         lambda: decide(parts, model, sample, batch, devices, options, comm, training, concurrency, measure,
-                       warm=warm))
+                       warm=warm, given=given))
     if training.channels_last == "auto":  # trials may have left the model in either layout
         set_layout(model, decision.channels_last)
     counts, notes = list(decision.counts), [*uncut, *decision.notes]

@@ -307,10 +307,13 @@ def _check_reduce(op: str, over: str) -> None:
         raise ValueError(f"all_reduce takes op 'sum' or 'max' over 'pipeline' or 'world', got {op!r} over {over!r}")
 
 
-def communicator(options: DataParallelOptions) -> Communicator:
-    """The communicator for this process: distributed whenever a process group exists (unless disabled)."""
+def communicator(options: DataParallelOptions, pp: int | None = None) -> Communicator:
+    """The communicator for this process: distributed whenever a process group exists (unless disabled).
+
+    ``pp``: the pipeline ranks ``pp="auto"`` resolved to (the options keep the request).
+    """
     layout = None
     if options.enabled:
-        layout = resolve_layout(pp=options.pp, mesh=options.mesh, dp_group=options.dp_group,
+        layout = resolve_layout(pp=pp if pp is not None else options.pp, mesh=options.mesh, dp_group=options.dp_group,
                                 pp_group=options.pp_group, timeout=options.timeout)
     return Local() if layout is None else Distributed(layout, options)

@@ -9,13 +9,16 @@ differs under ``torch.distributed`` is behind the engine's communicator.
 
 from __future__ import annotations
 
+import copy
 import os
 import statistics
 import warnings
 import weakref
-from typing import Any, Sequence
+from dataclasses import replace
+from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from . import checkpoint
@@ -23,9 +26,11 @@ from .atomic import require_folder
 from .build import Pipeline, build_pipeline, sample_batch
 from .comm import communicator
 from .device import resolve_devices
+from .decide.cut import AUTO_MICROBATCHES
+from .decide.layout import Layout as WorldLayout
 from .decide.rules import check_rules
 from .distributed import Layout
-from .lower import in_layout
+from .lower import in_layout, surrogate_loss
 from .ops.swap import swap_depthwise
 from .optimizer import OptimizerSpec, check_optimizer, move_optimizer_state
 from .options import (
@@ -44,6 +49,7 @@ from .snapshot import rng_state, set_rng_state
 from .step import LossFn, StepRunner
 from .update import GradientStep
 from .watch import ModelWatch
+from .world import Trial, WorldChoice, choose_world
 
 __all__ = ["Engine"]
 
@@ -87,7 +93,20 @@ class Engine:
             raise TypeError(f"loss_fn must be callable (output, target) -> scalar, got {type(loss_fn).__name__}")
         self.loss_fn = loss_fn
         self.optimizer = check_optimizer(model, optimizer)
-        self.comm = communicator(data_parallel if data_parallel is not None else DataParallelOptions())
+        dp_options = data_parallel if data_parallel is not None else DataParallelOptions()
+        self.world: WorldChoice | None = None  # what pp="auto" chose (None: pp given, or one process)
+        if dp_options.pp == "auto" and dp_options.enabled and dist.is_available() and dist.is_initialized() \
+                and dist.get_world_size() > 1:
+            global_batch = self._global_batch(model, sample, opts)
+            self.world = choose_world(
+                model, global_batch, self.devices[0], _world_trial(model, self.optimizer, global_batch, opts,
+                                                                    dp_options, topts),
+                microbatches=[int(opts.microbatches)] if opts.microbatches != "auto" else AUTO_MICROBATCHES,
+                budget_s=opts.plan_budget_s, bucket_bytes=dp_options.bucket_bytes, schedule=opts.schedule,
+                depth=opts.depth)
+            sample = global_batch[: global_batch.shape[0] // self.world.layout.dp]  # this replica's batch
+        resolved_pp = self.world.layout.pp if self.world is not None else 1 if dp_options.pp == "auto" else None
+        self.comm = communicator(dp_options, pp=resolved_pp)
         self.comm.check(self.devices, opts.cuda_graph)
         self.comm.check_same_model(model, self.optimizer, opts, topts)
         self.comm.same_start(model)  # rank 0's values everywhere, as DDP does
@@ -111,6 +130,19 @@ class Engine:
                 swap.undo()
                 raise
 
+    @staticmethod
+    def _global_batch(model: nn.Module, sample: torch.Tensor | Sequence[int] | None,
+                      opts: PipelineOptions) -> torch.Tensor:
+        """The global batch ``pp="auto"`` plans on, checked against the options it cannot honour."""
+        if sample is None:
+            raise ValueError("pp='auto' chooses the world's layout when the engine is made: pass sample= (the "
+                             "global batch of one step over all ranks, or its shape), or pass pp=N")
+        if opts.stages != "auto" or opts.threads is not None:
+            given = f"stages={opts.stages!r}" if opts.stages != "auto" else f"threads={opts.threads!r}"
+            raise ValueError(f"pp='auto' chooses each layout's cut itself, so {given} cannot be honoured: leave "
+                             f"stages='auto' and threads=None, or pass pp=N with your cut")
+        return sample_batch(model, sample)
+
     @property
     def microbatches(self) -> MicrobatchSpec:
         """The microbatches a step is split into: the plan's (``"auto"`` until the plan chose them)."""
@@ -131,7 +163,8 @@ class Engine:
 
     def _build(self, batch: torch.Tensor) -> Pipeline:
         pipe = self._pipe = build_pipeline(self.module, batch, self.options, self.devices, self.comm, step=self.steps,
-                                           training=self.training_options, concurrency=self.concurrency_options)
+                                           training=self.training_options, concurrency=self.concurrency_options,
+                                           given=self.world.layout if self.world is not None else None)
         self._plan = pipe.plan
         # Not a method of self: the finalizer must not keep the engine alive. It runs at close() or when the
         # engine is collected, so a dropped engine leaves no hooks on the user's model.
@@ -353,3 +386,28 @@ class Engine:
     def __repr__(self) -> str:
         built = f"{len(self._pipe.executor.stages)} stages" if self._pipe is not None else "not built"
         return f"Engine({type(self.module).__name__}, {built}, microbatches={self.microbatches}, schedule={self.schedule})"
+
+
+def _world_trial(model: nn.Module, optimizer: torch.optim.Optimizer | None, global_batch: torch.Tensor,
+                 pipeline: PipelineOptions, data_parallel: DataParallelOptions, training: TrainingOptions) -> Trial:
+    """How ``pp="auto"`` times a layout: an engine of it on a copy of the model (the user's stays untouched),
+    with the user's optimizer class and defaults, the user's numerics, torch's own kernels and a surrogate loss."""
+
+    def trial(layout: WorldLayout) -> tuple[Callable[[], None], Callable[[], None]]:
+        x = global_batch[: global_batch.shape[0] // layout.dp]
+        y = torch.zeros(x.shape[0])
+        opt = None if optimizer is None else (lambda params: type(optimizer)(params, **optimizer.defaults))
+        engine = Engine(
+            copy.deepcopy(model), optimizer=opt, loss_fn=surrogate_loss,
+            pipeline=replace(pipeline, stages=list(layout.counts), microbatches=layout.microbatches,
+                             schedule=layout.schedule, profile=False, progress=False),
+            data_parallel=replace(data_parallel, pp=layout.pp), kernels=KernelOptions(mode="torch"),
+            training=training, sample=x)
+
+        def step() -> None:
+            engine.train_step(x, y)
+
+        return step, engine.close
+
+    return trial
+

@@ -145,7 +145,9 @@ class DataParallelOptions:
     """How the engine trains under ``torch.distributed`` (ignored when no process group exists).
 
     ``pp``: pipeline ranks; the world is laid out as ``world // pp`` replicas of
-    a pipeline over ``pp`` ranks. Or a ``mesh`` with dims ``("dp", "pp")`` /
+    a pipeline over ``pp`` ranks; ``"auto"``: chosen when the engine is made,
+    by predicting every layout and timing the best few (:mod:`pipedp.world`;
+    needs ``sample=``, the global batch of one step). Or a ``mesh`` with dims ``("dp", "pp")`` /
     ``("dp",)``, or explicit ``dp_group``/``pp_group``. ``bucket_mb``: gradient
     all-reduce bucket size (DDP's ``bucket_cap_mb``). ``reduce_dtype``:
     ``torch.bfloat16``/``torch.float16`` all-reduce gradients in half the bytes.
@@ -156,7 +158,7 @@ class DataParallelOptions:
     """
 
     enabled: bool = field(default=True, metadata=_LOCAL)
-    pp: int = 1
+    pp: int | str = 1
     mesh: DeviceMesh | None = field(default=None, metadata=_LOCAL)  # each rank holds its own handle
     dp_group: ProcessGroup | None = field(default=None, metadata=_LOCAL)
     pp_group: ProcessGroup | None = field(default=None, metadata=_LOCAL)
@@ -166,7 +168,8 @@ class DataParallelOptions:
 
     def __post_init__(self) -> None:
         _flag("distributed", self.enabled)
-        positive_int("pp", self.pp)
+        if self.pp != "auto":
+            positive_int("pp", self.pp)
         positive_number("bucket_mb", self.bucket_mb, "MiB")
         positive_number("timeout", self.timeout, "seconds")
         if self.reduce_dtype not in (None, torch.bfloat16, torch.float16):

@@ -8,6 +8,7 @@ from torch import nn
 
 from pipedp.build import build_pipeline
 from pipedp.comm import Local, communicator
+from pipedp.decide.layout import Layout
 from pipedp.decide.search import MIN_TRIAL_GAIN
 from pipedp.lower import in_layout
 from pipedp.options import DataParallelOptions, PipelineOptions, TrainingOptions
@@ -28,6 +29,17 @@ def test_build_gives_a_pipeline_and_leaves_the_weights_alone():
     assert sum(pipe.plan.counts) == 9 and pipe.plan.microbatch_size == 4
     assert pipe.sync is None and pipe.transport is None and pipe.batchnorm is None
     assert max_diff(model, before) == 0 and all(p.grad is None for p in model.parameters())
+
+
+def test_a_given_world_layout_is_the_plan_whatever_the_options_left_auto():
+    """pp="auto" hands its layout to the build: its cut and microbatches, not the options' "auto" choice."""
+    model = sequential_cnn()
+    opts = PipelineOptions(profile=False)  # stages="auto" would have timed plans of its own
+    pipe = build_pipeline(model, torch.randn(8, 3, 16, 16), opts, CPU, Local(), given=Layout(1, (4, 5), 2))
+    assert pipe.plan.counts == [4, 5] and pipe.plan.microbatch_size == 4
+    assert any("pp=auto: dp 1 x pp 2" in n for n in pipe.plan.notes)
+    with pytest.raises(ValueError, match="cut into 9 here: pass pp=N"):
+        build_pipeline(sequential_cnn(), torch.randn(8, 3, 16, 16), opts, CPU, Local(), given=Layout(1, (4, 4), 2))
 
 
 def test_batchnorm_batch_mode_gets_its_deferred_statistics():

@@ -39,6 +39,7 @@ from .cpu import decide_cpu
 from .cut import AUTO_MICROBATCHES, MAX_TRIAL_STAGES, resolve_counts, untimed_microbatches
 from .decision import Decision
 from .hazards import channels_last_hazard
+from .layout import Layout
 from .search import Budget, Measure, Space, allowed, search
 
 __all__ = ["decide", "microbatch_choices", "timed", "COMPILE_S_PER_LEAF"]
@@ -115,13 +116,15 @@ def decide(parts: Parts, model: nn.Module, sample: torch.Tensor, batch: torch.Te
            devices: Sequence[torch.device], options: PipelineOptions, comm: Communicator,
            training: TrainingOptions, concurrency: ConcurrencyOptions | None = None,
            measure: Measure | None = None, now: Callable[[], float] = time.perf_counter,
-           warm: dict[Config, list[Stage]] | None = None) -> tuple[list[BlockProfile], Decision]:
+           warm: dict[Config, list[Stage]] | None = None,
+           given: Layout | None = None) -> tuple[list[BlockProfile], Decision]:
     """Profile the blocks and choose everything (on the deciding rank; the others follow).
 
     ``measure`` replaces the device clock of the timed trials (tests), and
     ``now`` the clock of the budget and of the planning seconds. ``warm``
     receives the compiled stages the trials made, per configuration, so the
-    build of a compiled plan compiles nothing again.
+    build of a compiled plan compiles nothing again. ``given``: the layout
+    ``pp="auto"`` chose for the world (its cut and microbatches are the plan's).
     """
     budget = Budget(options.plan_budget_s, now)
     choices = microbatch_choices(options, batch.shape[0])
@@ -137,7 +140,15 @@ def decide(parts: Parts, model: nn.Module, sample: torch.Tensor, batch: torch.Te
             profiles = profile_blocks(blocks, sample, progress=options.progress, copy_input=parts.copy_input)
         else:
             profiles = estimate_blocks(blocks, sample)
-        if concurrent_cpu(options.threads, devices, comm.world):
+        if given is not None:
+            if sum(given.counts) != len(parts.blocks):
+                raise ValueError(f"pp=auto chose {given.label} over {sum(given.counts)} blocks, but the model is cut "
+                                 f"into {len(parts.blocks)} here: pass pp=N and stages= by hand for this model")
+            decision = Decision(Config(tuple(given.counts), given.microbatches, training.channels_last is True,
+                                       training.compile is True),
+                                (f"pp=auto: {given.label}, the fastest of the world's layouts timed "
+                                 f"(engine.world.table() lists them)",))
+        elif concurrent_cpu(options.threads, devices, comm.world):
             channels_last = training.channels_last is True
             profiles, decision = decide_cpu(parts, blocks, profiles, sample, batch, options, comm, training,
                                             choices, channels_last, compiled=training.compile is True)

@@ -18,6 +18,10 @@ def test_the_layouts_benchmark_measures_and_forecasts_every_layout(tmp_path):
     assert r["best_measured"] == min(by, key=lambda k: by[k]["measured_ms"])
     assert r["forecast_choice_vs_best"] == pytest.approx(
         by[r["best_measured"]]["measured_ms"] / by[r["best_predicted"]]["measured_ms"])
+    a = r["auto"]  # pp="auto" timed beside them: its pick is one of the layouts, its ratio against the fastest
+    assert a["chosen"] in by and a["measured_ms"] > 0 and 0 < a["planning_s"] <= a["setup_s"]
+    assert a["vs_best"] == pytest.approx(by[r["best_measured"]]["measured_ms"] / a["measured_ms"])
+    assert "chosen" in a["table"]
     with pytest.raises(SystemExit, match="even number of ranks"):
         bench_layouts.bench(["--procs", "3"])
     assert out.exists()

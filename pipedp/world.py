@@ -1,0 +1,184 @@
+"""``pp="auto"``: the world's layout (data parallel x pipeline) chosen by prediction, then by timing the best few.
+
+Which layout of a world is fastest depends on the model, the batch and the
+links, and a prediction alone misses where the machine does what the model
+does not say (contention of ranks sharing a host, a collective slower than
+its probe). So, collectively over the world, when the engine is made:
+
+1. every rank profiles the blocks on its share of the global batch, all at
+   once, as they will train (rank 0's profile is the one used);
+2. the links are probed: ring all-reduce over the world, point-to-point
+   between neighbours (:mod:`pipedp.decide.probe`);
+3. rank 0 predicts every layout (:func:`pipedp.decide.layout.rank`) and all
+   ranks take its list;
+4. the best few predictions (:func:`finalists`) are built and timed for real
+   (a trial: one engine on a copy of the model; the slowest rank's median
+   window), while the planning budget lasts; the first is always timed;
+5. the fastest measured is the layout (:func:`pick`), the same on every rank
+   since every figure it rests on is broadcast or all-reduced.
+
+The trial itself is the caller's (:class:`Trial`): the engine builds it, so this
+module knows layouts and clocks, not engines.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .decide.layout import Layout, Prediction, rank
+from .decide.links import Link
+from .decide.probe import probe_allreduce, probe_p2p
+from .forecast import profile_model
+from .lower import sync_devices
+
+__all__ = ["WorldRow", "WorldChoice", "Trial", "finalists", "pick", "choose_world", "FINALISTS", "WITHIN"]
+
+FINALISTS = 3  # layouts timed for real at most
+WITHIN = 1.25  # a layout predicted more than 25% slower than the best is not timed
+
+
+class Trial(Protocol):
+    """Builds ``layout`` for real (collectively): one training step to call, and what ends the trial."""
+
+    def __call__(self, layout: Layout) -> tuple[Callable[[], None], Callable[[], None]]: ...
+
+
+@dataclass(frozen=True)
+class WorldRow:
+    """One layout: its prediction, and its measured step where it was timed (ms)."""
+
+    prediction: Prediction
+    measured_ms: float | None = None
+
+    @property
+    def layout(self) -> Layout:
+        return self.prediction.layout
+
+
+@dataclass(frozen=True)
+class WorldChoice:
+    """The layout ``pp="auto"`` chose, every layout it considered, and what it measured them on."""
+
+    layout: Layout
+    rows: tuple[WorldRow, ...]
+    allreduce: Link
+    p2p: Link
+    planning_s: float
+    notes: tuple[str, ...] = ()
+
+    def table(self) -> str:
+        """Every layout with predicted and measured step, the chosen one marked."""
+        lines = [f"pp=auto: {self.layout.label} (links: all-reduce {self.allreduce.bytes_per_s / 1e9:.2f} GB/s + "
+                 f"{self.allreduce.alpha_s * 1e6:.0f} us, point-to-point {self.p2p.bytes_per_s / 1e9:.2f} GB/s + "
+                 f"{self.p2p.alpha_s * 1e6:.0f} us; planning {self.planning_s:.1f} s)",
+                 f"  {'layout':<26} {'predicted ms':>12} {'measured ms':>12}"]
+        for r in self.rows:
+            measured = f"{r.measured_ms:12.2f}" if r.measured_ms is not None else f"{'-':>12}"
+            mark = "  chosen" if r.layout == self.layout else ""
+            lines.append(f"  {r.layout.label:<26} {r.prediction.step_ms:12.2f} {measured}{mark}")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def finalists(predictions: Sequence[Prediction], k: int = FINALISTS, within: float = WITHIN) -> list[Prediction]:
+    """The layouts worth timing: the ``k`` fastest predicted, none predicted slower than ``within`` x the best.
+
+    Pure data parallelism (``pp == 1``) is always among them where it exists: it is the layout a user
+    runs without pipedp, so a choice is never made without timing it.
+    """
+    ordered = sorted(predictions, key=lambda p: p.step_ms)
+    if not ordered:
+        return []
+    best = ordered[0].step_ms
+    out = [p for p in ordered if p.step_ms <= within * best][:k]
+    dp = next((p for p in ordered if p.layout.pp == 1), None)
+    if dp is not None and dp not in out:
+        out = [*out[: k - 1], dp] if k > 1 else [dp]
+    return out
+
+
+def pick(rows: Sequence[WorldRow]) -> Layout:
+    """The fastest measured layout; the fastest predicted where none was measured."""
+    measured = [r for r in rows if r.measured_ms is not None]
+    if measured:
+        return min(measured, key=lambda r: r.measured_ms).layout  # type: ignore[arg-type,return-value]
+    return min(rows, key=lambda r: r.prediction.step_ms).layout
+
+
+def _slowest(value: float) -> float:
+    """The largest ``value`` over the world's ranks (the step of a world ends with its last rank)."""
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _time(step: Callable[[], None], device: torch.device, rounds: int, steps: int) -> float:
+    """Median over ``rounds`` windows of the slowest rank's ms per step, after one warm-up step."""
+    step()
+    windows = []
+    for _ in range(rounds):
+        dist.barrier()
+        sync_devices([device])
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        sync_devices([device])
+        windows.append(_slowest((time.perf_counter() - t0) / steps * 1e3))
+    return statistics.median(windows)
+
+
+def choose_world(model: nn.Module, global_batch: torch.Tensor, device: torch.device, trial: Trial, *,
+                 microbatches: Sequence[int], budget_s: float, bucket_bytes: float, schedule: str = "1f1b",
+                 depth: int = 1, rounds: int = 2, steps: int = 1, now: Callable[[], float] = time.perf_counter) -> WorldChoice:
+    """The layout of this world for training ``model`` on ``global_batch`` (collective: every rank calls it).
+
+    ``global_batch``: one step's samples over all ranks, the same on every rank; ``microbatches``: the
+    counts a pipeline layout may have; ``budget_s``: seconds of planning after which no further finalist
+    is timed (the first always is); ``trial``: builds a layout for real.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("pp='auto' lays out a torch.distributed world: launch with torchrun and call "
+                         "torch.distributed.init_process_group() before wrap(), or pass pp=1")
+    start = now()
+    world, me = dist.get_world_size(), dist.get_rank()
+    n = global_batch.shape[0]
+    if n < 2 * world:
+        raise ValueError(f"pp='auto' plans on the global batch of one step (sample=), which has {n} samples for "
+                         f"{world} ranks: pass a global batch of at least {2 * world} (2 per rank)")
+    # 1-2: every rank profiles and probes at once, as the world will train; rank 0's figures decide.
+    profile = profile_model(copy.deepcopy(model).to(device), global_batch[: n // world].to(device), depth=depth)
+    allreduce = probe_allreduce(device=device)
+    peer = me ^ 1 if (me ^ 1) < world else me - 1
+    p2p = probe_p2p(peer, device=device) if world % 2 == 0 else allreduce
+    shared: list[object] = [None]
+    if me == 0:
+        preds = rank(profile.costs(), world, n, allreduce, p2p=p2p, update_ms=profile.update_ms,
+                     microbatches=microbatches, schedules=(schedule,), bucket_bytes=bucket_bytes)
+        shared = [(preds, allreduce, p2p)]
+    dist.broadcast_object_list(shared, src=0)
+    preds, allreduce, p2p = shared[0]  # type: ignore[misc]
+    if not preds:
+        raise ValueError(f"pp='auto': no layout of {world} ranks fits a global batch of {n} (each replica and "
+                         f"microbatch needs at least 2 samples): pass a larger sample= batch, or pp=1")
+    # 3-4: time the finalists while the budget lasts; every rank takes the same decision to go on.
+    measured: dict[Layout, float] = {}
+    notes = []
+    for i, p in enumerate(finalists(preds)):
+        if i and _slowest(now() - start) > budget_s:
+            notes.append(f"plan_budget_s={budget_s:g} spent: {p.layout.label} and later finalists not timed")
+            break
+        step, close = trial(p.layout)
+        try:
+            measured[p.layout] = _time(step, device, rounds, steps)
+        finally:
+            close()
+    rows = tuple(WorldRow(p, measured.get(p.layout)) for p in preds)
+    return WorldChoice(pick(rows), rows, allreduce, p2p, now() - start, tuple(notes))

@@ -1,0 +1,136 @@
+"""pp="auto": the finalists and the pick on injected costs, the choice in real 2-process gloo worlds."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import pipedp
+from pipedp.decide.layout import Layout, Prediction
+from pipedp.world import WorldRow, choose_world, finalists, pick
+from tests import multiproc
+from tests.reference import data, plain_steps, sequential_cnn
+
+
+def _pred(dp: int, counts: tuple[int, ...], m: int, ms: float) -> Prediction:
+    return Prediction(Layout(dp, counts, m), ms, ms, 0.0, 0.0, 0.0, 0.0)
+
+
+def _table(rng: random.Random) -> list[Prediction]:
+    preds = [_pred(4, (9,), 1, rng.uniform(5, 50))]
+    preds += [_pred(2, (4, 5), m, rng.uniform(5, 50)) for m in (1, 2, 4)]
+    preds += [_pred(1, (2, 2, 2, 3), m, rng.uniform(5, 50)) for m in (2, 4, 8)]
+    return preds
+
+
+def test_finalists_are_the_fastest_predicted_within_reach_and_always_data_parallel():
+    rng = random.Random(0)
+    for _ in range(300):
+        preds = _table(rng)
+        best = min(preds, key=lambda p: p.step_ms)
+        out = finalists(preds, k=3, within=1.25)
+        assert out[0] == best and 1 <= len(out) <= 3
+        assert any(p.layout.pp == 1 for p in out)  # the user's own layout is always timed
+        assert all(p.step_ms <= 1.25 * best.step_ms for p in out if p.layout.pp > 1)
+        assert [p.step_ms for p in out] == sorted(p.step_ms for p in out)
+    assert finalists([]) == []
+
+
+def test_the_pick_is_never_slower_than_a_layout_it_timed():
+    rng = random.Random(1)
+    for _ in range(300):
+        preds = _table(rng)
+        timed = finalists(preds)
+        rows = [WorldRow(p, rng.uniform(5, 50) if p in timed else None) for p in preds]
+        chosen = pick(rows)
+        fastest = min(r.measured_ms for r in rows if r.measured_ms is not None)
+        assert next(r.measured_ms for r in rows if r.layout == chosen) == fastest
+    # Nothing timed: the fastest prediction.
+    preds = _table(rng)
+    assert pick([WorldRow(p) for p in preds]) == min(preds, key=lambda p: p.step_ms).layout
+
+
+def _choose_with_injected_steps(rank: int, world: int, slow_dp: bool) -> dict:
+    """The real collective path (profile, probes, broadcast, windows) with trials that sleep a set time."""
+    torch.manual_seed(0)
+    built = []
+
+    def trial(layout: Layout):
+        built.append(layout.label)
+        # data parallelism 30 ms a step where slow_dp, 2 ms otherwise; every pipeline 10 ms
+        ms = (30 if slow_dp else 2) if layout.pp == 1 else 10
+        return (lambda: time.sleep(ms / 1e3)), (lambda: None)
+
+    choice = choose_world(sequential_cnn(), torch.randn(16, 3, 16, 16), torch.device("cpu"), trial,
+                          microbatches=(2, 4), budget_s=60.0, bucket_bytes=2**20, steps=1, rounds=2)
+    return {"layout": choice.layout, "built": built, "table": choice.table(), "rows": choice.rows}
+
+
+@pytest.mark.parametrize("slow_dp", [False, True])
+def test_ranks_agree_on_the_fastest_measured_layout(slow_dp):
+    a, b = multiproc.run(_choose_with_injected_steps, 2, slow_dp, timeout_s=120)
+    assert a["layout"] == b["layout"] and a["built"] == b["built"]
+    assert (a["layout"].pp > 1) == slow_dp  # the trials' clock, not the prediction, decides
+    assert any(r.layout.pp == 1 and r.measured_ms is not None for r in a["rows"])
+    assert "chosen" in a["table"] and "predicted ms" in a["table"]
+
+
+def _train_auto(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = sequential_cnn()
+    batches = data(n=16, size=16, steps=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    engine = pipedp.wrap(model, optimizer=opt, loss_fn=nn.CrossEntropyLoss(), pp="auto", sample=batches[0][0],
+                         progress=False, profile=False, plan_budget_s=60.0)
+    lay, chosen = engine.layout, engine.world.layout
+    n = 16 // lay.dp  # this replica's share of each global batch
+    for x, y in batches:
+        engine.train_step(x[lay.dp_rank * n:(lay.dp_rank + 1) * n], y[lay.dp_rank * n:(lay.dp_rank + 1) * n])
+    owned = {id(p) for st in engine.executor.stages for p in st.chain.parameters()}
+    return {"chosen": chosen, "dp": lay.dp, "pp": lay.pp, "microbatches": engine.plan.microbatches,
+            "params": {k: p.detach().clone() for k, p in model.named_parameters() if id(p) in owned},
+            "plan": str(engine.plan)}
+
+
+def test_pp_auto_builds_the_layout_it_chose_and_trains_as_plain_training():
+    a, b = multiproc.run(_train_auto, 2, timeout_s=180)
+    assert a["chosen"] == b["chosen"]
+    chosen = a["chosen"]
+    assert (a["dp"], a["pp"]) == (chosen.dp, chosen.pp) == (b["dp"], b["pp"])
+    assert a["microbatches"] == chosen.microbatches and "pp=auto" in a["plan"]
+    torch.manual_seed(0)
+    ref = plain_steps(sequential_cnn(), data(n=16, size=16, steps=2), microbatches=chosen.microbatches)
+    want = dict(ref.named_parameters())
+    for got in (a["params"], b["params"]):
+        assert got  # every rank owns some parameters
+        assert max((got[k] - want[k].detach()).abs().max().item() for k in got) < 1e-5
+
+
+def test_pp_auto_in_one_process_is_the_one_layout_and_needs_no_sample():
+    model = sequential_cnn()
+    engine = pipedp.wrap(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=nn.CrossEntropyLoss(),
+                         pp="auto", progress=False, profile=False)
+    x, y = data(n=8, size=16, steps=1)[0]
+    engine.train_step(x, y)
+    assert engine.world is None and engine.layout is None
+
+
+def _bad_auto(rank: int, world: int, kw: dict) -> str:
+    model = sequential_cnn()
+    try:
+        pipedp.wrap(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=nn.CrossEntropyLoss(),
+                    pp="auto", progress=False, profile=False, **kw)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+@pytest.mark.parametrize("kw, says", [({}, "pass sample="), ({"sample": (16, 3, 16, 16), "stages": 2}, "stages=2")])
+def test_pp_auto_says_what_it_needs(kw, says):
+    for msg in multiproc.run(_bad_auto, 2, kw, timeout_s=60):
+        assert says in msg and "pp=N" in msg
+
