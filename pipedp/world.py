@@ -171,14 +171,18 @@ def choose_world(model: nn.Module, global_batch: torch.Tensor, device: torch.dev
     # 3-4: time the finalists while the budget lasts; every rank takes the same decision to go on.
     measured: dict[Layout, float] = {}
     notes = []
+    last_s = 0.0  # the last trial's seconds: the next one is started only if one like it still fits the budget
     for i, p in enumerate(finalists(preds)):
-        if i and _slowest(now() - start) > budget_s:
-            notes.append(f"plan_budget_s={budget_s:g} spent: {p.layout.label} and later finalists not timed")
+        if i and _slowest(now() - start + last_s) > budget_s:
+            notes.append(f"plan_budget_s={budget_s:g}: {p.layout.label} and later finalists not timed (another "
+                         f"trial of about {last_s:.0f} s would not fit)")
             break
+        t0 = now()
         step, close = trial(p.layout)
         try:
             measured[p.layout] = _time(step, device, rounds, steps)
         finally:
             close()
+        last_s = now() - t0
     rows = tuple(WorldRow(p, measured.get(p.layout)) for p in preds)
     return WorldChoice(pick(rows), rows, allreduce, p2p, now() - start, tuple(notes))

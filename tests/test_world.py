@@ -79,6 +79,29 @@ def test_ranks_agree_on_the_fastest_measured_layout(slow_dp):
     assert "chosen" in a["table"] and "predicted ms" in a["table"]
 
 
+def _choose_on_a_budget(rank: int, world: int) -> dict:
+    """A fake clock: each trial's steps take 4 s of it; with a 5 s budget only the first finalist fits."""
+    clock = [0.0]
+
+    def trial(layout: Layout):
+        def step() -> None:
+            clock[0] += 1.0  # a warm-up and 2 windows of 1 step: 3 s a trial, plus 1 s to build
+        clock[0] += 1.0
+        return step, (lambda: None)
+
+    choice = choose_world(sequential_cnn(), torch.randn(16, 3, 16, 16), torch.device("cpu"), trial,
+                          microbatches=(2, 4), budget_s=5.0, bucket_bytes=2**20, now=lambda: clock[0])
+    return {"timed": [r.layout for r in choice.rows if r.measured_ms is not None], "notes": choice.notes,
+            "first": choice.rows and min(choice.rows, key=lambda r: r.prediction.step_ms).layout,
+            "layout": choice.layout, "planning_s": choice.planning_s}
+
+
+def test_a_finalist_is_timed_only_if_a_trial_like_the_last_still_fits_the_budget():
+    a, b = multiproc.run(_choose_on_a_budget, 2, timeout_s=120)
+    assert a["timed"] == b["timed"] == [a["first"]] and a["layout"] == a["first"]  # the first is always timed
+    assert "would not fit" in a["notes"][0] and a["planning_s"] == 4.0
+
+
 def _train_auto(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = sequential_cnn()
