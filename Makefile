@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 # pip shows what it downloads and installs (a few minutes the first time); PIP_FLAGS=-q silences it.
 PIP_FLAGS ?=
 
-.PHONY: setup reproduce demo test test-slow wheel-check clean
+.PHONY: setup reproduce demo test test-slow docs wheel-check clean
 
 setup: $(VENV)/.ready
 
@@ -18,7 +18,7 @@ $(VENV)/.ready: pyproject.toml
 	@$(PY) -c "import torch" 2>/dev/null || { echo "== setup: $(TORCH_SPEC), the largest download"; \
 		$(PY) -m pip install $(PIP_FLAGS) "$(TORCH_SPEC)"; }
 	@echo "== setup: pipedp (editable) with its dev, tvm and experiments extras"
-	$(PY) -m pip install $(PIP_FLAGS) -e ".[dev,tvm,experiments]" "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
+	$(PY) -m pip install $(PIP_FLAGS) -e ".[dev,tvm,experiments,docs]" "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
 	touch $@
 	@echo "== setup: done; the venv's programs (torchrun, tune-kernels, reproduce-paper) are in $(VENV)/bin"
 
@@ -33,6 +33,10 @@ test: setup
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow
+
+# The documentation site (docs/ -> docs/_build/html), warnings as errors: a broken link or reference fails.
+docs: setup
+	$(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html
 
 # The wheel in a fresh virtualenv (with the experiments extra, without tvm): console scripts from outside the repo.
 wheel-check:

@@ -75,8 +75,9 @@ def wrap(
     (precision to recompute), :class:`~pipedp.ConcurrencyOptions` (branches,
     split_grads, early_update); ``sample`` (a batch or its shape) plans now
     instead of on the first batch. ``optimizer`` is built on
-    ``model.parameters()`` (or a factory of them); ``loss_fn(output, target)``
-    returns a scalar with a mean reduction.
+    ``model.parameters()`` (or a factory of them); ``loss_fn`` is called as
+    ``loss_fn(output, target)`` and returns a scalar with a mean reduction.
+    Both are needed for ``train_step``, not for inference.
     """
     return Engine(
         model,

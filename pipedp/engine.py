@@ -36,7 +36,7 @@ from .optimizer import OptimizerSpec, check_optimizer, move_optimizer_state
 from .options import (
     ConcurrencyOptions, DataParallelOptions, KernelOptions, MicrobatchSpec, PipelineOptions, TrainingOptions,
 )
-from .partition.blocks import check_one_input
+from .partition.blocks import check_materialised, check_one_input
 from .pipeline import microbatch
 from .pipeline.early_update import EarlyUpdate
 from .pipeline.executor import Executor, StepTimer
@@ -84,6 +84,7 @@ class Engine:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         check_one_input(model)  # one tensor per batch, whatever the stage count
+        check_materialised(model)
         self.module = model
         self.options = opts = pipeline if pipeline is not None else PipelineOptions()
         kopts = kernels if kernels is not None else KernelOptions()

@@ -1,4 +1,4 @@
-"""The options of an engine, in four small groups that validate themselves when made.
+"""The options of an engine, in five small groups that validate themselves when made.
 
 :func:`pipedp.wrap` takes them as flat keywords; :class:`pipedp.Engine`
 takes the groups, which a user may build, keep and reuse (one
@@ -93,7 +93,9 @@ class PipelineOptions:
     samples each, see :func:`pipedp.pipeline.microbatch.count`). ``profile``:
     measure block times, or use the FLOP/byte cost model. ``depth``: levels of
     nested ``nn.Sequential`` to cut into. ``measure_steps``: training steps
-    timed per stage for ``engine.plan``. ``cuda_graph``: on one CUDA device,
+    timed per stage for ``engine.plan``. ``progress``: progress bars while
+    blocks are profiled and plans timed (each rank may set its own).
+    ``cuda_graph``: on one CUDA device,
     capture the whole step after two eager steps and replay it (optimizers
     with step counters need ``capturable=True``). ``rollback``: copy
     parameters and optimizer state before each eager ``optimizer.step()``
@@ -153,8 +155,8 @@ class DataParallelOptions:
     ``torch.bfloat16``/``torch.float16`` all-reduce gradients in half the bytes.
     ``timeout``: seconds a collective or transfer may take before the step,
     ``wrap()`` or ``save()``/``state_dict()`` fails with
-    :class:`pipedp.DistributedError`. ``enabled=False`` trains this process
-    on its own even when a process group exists.
+    :class:`pipedp.DistributedError`. ``enabled`` (wrap's ``distributed``):
+    False trains this process on its own even when a process group exists.
     """
 
     enabled: bool = field(default=True, metadata=_LOCAL)
@@ -184,11 +186,13 @@ class DataParallelOptions:
 class KernelOptions:
     """Which depthwise-convolution kernels the model's layers run.
 
-    ``mode="auto"``: the tuned TVM kernels exported by ``tune-kernels`` where one
-    exists for the layer's shape and measured faster than torch (torch
-    elsewhere; on a CPU only where the kernels share torch's OpenMP team),
-    ``"tvm"``: every tuned kernel, a missing one is an error, ``"torch"``: never.
-    ``db``: the ``tune-kernels --db`` folder (default: the per-user cache).
+    ``mode`` (wrap's ``kernels``): ``"auto"`` runs the tuned TVM kernels
+    exported by ``tune-kernels`` where one exists for the layer's shape and
+    measured faster than torch (torch elsewhere; on a CPU only where the
+    kernels share torch's OpenMP team), so a missing or damaged database never
+    blocks training; ``"tvm"`` runs every tuned kernel, and a missing one is an
+    error; ``"torch"`` never runs them. ``db`` (wrap's ``kernel_db``): the
+    ``tune-kernels --db`` folder (default: the per-user cache).
     """
 
     mode: str = "auto"

@@ -36,7 +36,6 @@ from torch import nn
 from .decide.layout import Layout, Prediction, rank
 from .decide.links import Link
 from .decide.probe import probe_allreduce, probe_p2p
-from .forecast import profile_model
 from .lower import sync_devices
 
 __all__ = ["WorldRow", "WorldChoice", "Trial", "finalists", "pick", "choose_world", "FINALISTS", "WITHIN"]
@@ -154,6 +153,7 @@ def choose_world(model: nn.Module, global_batch: torch.Tensor, device: torch.dev
         raise ValueError(f"pp='auto' plans on the global batch of one step (sample=), which has {n} samples for "
                          f"{world} ranks: pass a global batch of at least {2 * world} (2 per rank)")
     # 1-2: every rank profiles and probes at once, as the world will train; rank 0's figures decide.
+    from .forecast import profile_model  # here: `python -m pipedp.forecast` must not find it imported by pipedp
     profile = profile_model(copy.deepcopy(model).to(device), global_batch[: n // world].to(device), depth=depth)
     allreduce = probe_allreduce(device=device)
     peer = me ^ 1 if (me ^ 1) < world else me - 1

@@ -1,9 +1,8 @@
-"""The README's commands and its "Use" example run as written, on a CPU, from a fresh checkout's point of view."""
+"""The torchrun lines of the distributed guide run in order as written, and the set-up the README's commands
+start with shows its progress (every page's examples and commands: tests/test_docs.py)."""
 
 from __future__ import annotations
 
-import functools
-import math
 import os
 import re
 import shlex
@@ -12,39 +11,39 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
-import pipedp.models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENV_PROGRAMS = ("torchrun", "tune-kernels", "reproduce-paper")  # console scripts only the venv has
 
 
-def _readme() -> str:
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+PAGES = [os.path.join(ROOT, "README.md")] + sorted(
+    os.path.join(d, f) for d, _, fs in os.walk(os.path.join(ROOT, "docs")) if "_build" not in d
+    for f in fs if f.endswith(".md"))
+
+
+def _read(page: str) -> str:
+    with open(page, encoding="utf-8") as f:
         return f.read()
 
 
-def _blocks(lang: str, after: str = "") -> list[str]:
-    """The README's fenced blocks of ``lang`` ('' for the shell ones) from the heading ``after`` on."""
-    text = _readme()
-    text = text[text.index(after):] if after else text
-    return [body for kind, body in re.findall(r"^```(\w*)\n(.*?)^```", text, re.M | re.S) if kind == lang]
-
-
-def _commands(program: str) -> list[str]:
-    return [line for block in _blocks("") for line in block.splitlines()
-            if line.split() and os.path.basename(line.split()[0]) == program]  # (some blocks are not shell)
+def _commands(program: str, page: str) -> list[str]:
+    """The command lines of ``page``'s shell blocks that start ``program``."""
+    blocks = [body for kind, body in re.findall(r"^```(\w*)\n(.*?)^```", _read(page), re.M | re.S)
+              if kind in ("bash", "")]
+    return [line for block in blocks for line in block.splitlines()
+            if line.split() and os.path.basename(line.split()[0]) == program]
 
 
 def test_the_venvs_programs_are_reachable_as_documented():
-    # After `make setup` nothing is on PATH: every such command is written .venv/bin/..., or the README says before
+    # After `make setup` nothing is on PATH: every such command is written .venv/bin/..., or the page says before
     # it to activate the venv.
-    text = _readme()
-    activate = text.find("source .venv/bin/activate")
-    for program in VENV_PROGRAMS:
-        for line in _commands(program):
-            assert line.startswith(".venv/bin/") or -1 < activate < text.index(line), line
+    for page in PAGES:
+        text = _read(page)
+        activate = text.find("source .venv/bin/activate")
+        for program in VENV_PROGRAMS:
+            for line in _commands(program, page):
+                assert line.startswith(".venv/bin/") or -1 < activate < text.index(line), (page, line)
 
 
 def _run_line(line: str, cwd: str) -> subprocess.CompletedProcess:
@@ -67,7 +66,7 @@ def _steps(out: str) -> list[int]:
 @pytest.mark.slow  # tens of seconds on 2 cores: the slow run (CI runs it) keeps the default suite short
 def test_the_torchrun_lines_run_in_order_as_written(tmp_path):
     # A temporary folder stands in for the checkout's root, so a checkpoint of the developer's own is not touched.
-    first, second = _commands("torchrun")
+    first, second, *_ = _commands("torchrun", os.path.join(ROOT, "docs", "guides", "distributed.md"))
     done = _run_line(first, str(tmp_path))
     assert _steps(done.stdout) == list(range(1, 11))
     assert os.listdir(tmp_path) == ["out"] and os.listdir(tmp_path / "out") == ["train_dist.pt"]  # ignored by git
@@ -76,22 +75,6 @@ def test_the_torchrun_lines_run_in_order_as_written(tmp_path):
     assert done.stdout.count("written by 2 rank(s), this run has 4") == 1 and "RNG states" not in done.stderr
     done = _run_line(second, str(tmp_path))  # again: nothing left to do is a note and exit status 0
     assert "nothing to do: out/train_dist.pt is at step 20 and --steps is 20" in done.stdout and not _steps(done.stdout)
-
-
-def test_the_use_example_runs_on_a_cpu(tmp_path, monkeypatch, capsys):
-    # The stand-ins are the ones the README names below the block: one random batch, random images, width 4.
-    text = " ".join(_readme().split())
-    assert "`loader` is one random batch of 128, `x_val` 8 random images, and `resnet50` has base width 4" in text
-    (block, *_) = _blocks("python", after="## Use")
-    monkeypatch.setattr(pipedp.models, "resnet50", functools.partial(pipedp.models.resnet50, width=4))
-    monkeypatch.chdir(tmp_path)
-    torch.manual_seed(0)
-    loader = [(torch.randn(128, 3, 32, 32), torch.randint(0, 10, (128,)))]
-    scope = {"loader": loader, "x_val": torch.randn(8, 3, 32, 32)}
-    exec(compile(block, "README.md (Use)", "exec"), scope)
-    assert "pipedp plan" in capsys.readouterr().out
-    assert math.isfinite(scope["loss"].item()) and scope["logits"].shape == (8, 10)
-    assert (tmp_path / "ckpt.pt").exists() and scope["cuda"] == torch.cuda.is_available()
 
 
 def test_setup_shows_progress(tmp_path):

@@ -42,7 +42,7 @@ from .boundary import Value, is_value, leaf, map_tensors, tensors
 from .trace import Traced, trace
 
 __all__ = ["CutError", "Point", "carried", "chosen_points", "traced_points", "fx_blocks", "is_resnet", "Block",
-           "blocks_of", "check_chain", "check_one_input", "Chain", "module_mode", "mutates_input"]
+           "blocks_of", "check_chain", "check_materialised", "check_one_input", "Chain", "module_mode", "mutates_input"]
 
 _HOW = "pass an nn.Sequential of the model's parts"
 SPAN = 16  # fx nodes: a longer stretch without a one-tensor cut is cut where several tensors are live
@@ -81,6 +81,20 @@ class Chain(nn.Module):
         for part in self.parts:
             x = part(x)
         return x
+
+
+def check_materialised(model: nn.Module) -> None:
+    """Refuse a model with lazy layers whose parameters do not exist yet (``nn.LazyLinear`` before its first call).
+
+    Planning, the cut and the optimizer all need the parameters' shapes; PyTorch makes them on the first
+    forward, which the user can run before ``wrap``.
+    """
+    lazy = [n for n, p in model.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+    if lazy:
+        raise ValueError(
+            f"{type(model).__name__} has lazy layers whose parameters are not made yet ({', '.join(lazy[:3])}"
+            f"{', ...' if len(lazy) > 3 else ''}): run one forward pass first, model(example_batch), then build "
+            f"the optimizer and call wrap()")
 
 
 def check_one_input(model: nn.Module) -> None:

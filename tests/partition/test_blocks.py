@@ -3,6 +3,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import pipedp
 from pipedp.models import resnet18, resnet50
 from pipedp.partition import Chain, blocks_of, check_chain
 from pipedp.partition.blocks import traced_points
@@ -312,3 +313,14 @@ def test_a_cut_point_is_never_placed_where_a_number_is_live():
     model = ShapeKept()
     traced, points = traced_points(model)
     assert points and not any(p.cut for p in points)
+
+
+def test_a_model_with_lazy_layers_not_yet_made_is_refused_with_the_fix():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.LazyLinear(10))
+    with pytest.raises(ValueError, match=r"lazy layers .*2\.weight.*run one forward pass first"):
+        pipedp.wrap(model, optimizer=torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1),
+                    loss_fn=nn.CrossEntropyLoss(), progress=False)
+    model(torch.randn(2, 3, 8, 8))  # made: then it trains
+    engine = pipedp.wrap(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=nn.CrossEntropyLoss(),
+                         progress=False, profile=False, microbatches=1)
+    engine.train_step(torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,)))
