@@ -131,11 +131,13 @@ def _calibrated(blocks: list[BlockProfile], whole: float) -> tuple[BlockProfile,
     return tuple(replace(b, forward_ms=b.forward_ms * f, backward_ms=b.backward_ms * f) for b in blocks)
 
 
-def profile_model(model: nn.Module, sample: torch.Tensor, *, depth: int = 1, progress: bool = False) -> Profile:
+def profile_model(model: nn.Module, sample: torch.Tensor, *, depth: int = 1, progress: bool = False,
+                  repeats: int = 5) -> Profile:
     """Time ``model``'s blocks on ``sample`` (one replica's batch) and on a quarter of it, and its update.
 
     Each size's blocks are calibrated to the whole model's step at that size.
-    The model is left as it was.
+    The model is left as it was. ``repeats``: timed runs per block (medians), fewer where the profile
+    only ranks layouts that are then timed for real (``pp="auto"``).
     """
     device = sample.device
     blocks = blocks_of(model, depth=depth)
@@ -145,9 +147,11 @@ def profile_model(model: nn.Module, sample: torch.Tensor, *, depth: int = 1, pro
     timed = []
     with preserved_state(model, [device]), module_mode(model, training=True), torch.enable_grad():
         for x in sizes:
-            profiles = profile_blocks(measurable(blocks), x, progress=progress, copy_input=copy_input)
+            profiles = profile_blocks(measurable(blocks), x, progress=progress, copy_input=copy_input,
+                                      warmup=min(2, repeats), repeats=repeats)
             # The whole step on a copy where the first block modifies its input in place (the caller's batch).
-            timed.append(_calibrated(profiles, whole_ms(model, x.clone() if copy_input[0] else x)))
+            whole = whole_ms(model, x.clone() if copy_input[0] else x, repeats=max(1, repeats * 3 // 5))
+            timed.append(_calibrated(profiles, whole))
     return Profile(timed[0], sample.shape[0], _device_name(device), torch.get_num_threads(),
                    update_ms(model, device), timed[1] if len(timed) > 1 else (), small_batch if len(timed) > 1 else 0)
 

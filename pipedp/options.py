@@ -84,9 +84,10 @@ class PipelineOptions:
     ``"microbatch"`` (running statistics per microbatch, as GPipe) or
     ``"batch"`` (one update per step from the whole batch). ``microbatches``:
     a number, or ``"auto"`` (with ``stages="auto"``) for the planner to choose
-    it with the cut: by timed trials on one CUDA device, where one stage x one
-    microbatch (the plain step) is among the choices; elsewhere one microbatch
-    for one stage, else the most of 1, 2, 4, 8 the batch allows. The number
+    it with the cut: by timed trials on one device (a GPU, or a CPU in one
+    process), where one stage x one microbatch (the plain step) is among the
+    choices; elsewhere one microbatch for one stage, else the most of 1, 2, 4,
+    8 the batch allows (``pp="auto"``: the microbatches of the layout it chose). The number
     chosen is ``engine.plan.microbatches``; with ``batchnorm="microbatch"``
     the BatchNorm statistics are those of the chosen microbatches. A batch
     smaller than twice that runs as ``batch // 2`` microbatches (at least two
@@ -170,8 +171,8 @@ class DataParallelOptions:
 
     def __post_init__(self) -> None:
         _flag("distributed", self.enabled)
-        if self.pp != "auto":
-            positive_int("pp", self.pp)
+        if self.pp != "auto" and (isinstance(self.pp, bool) or not isinstance(self.pp, int) or self.pp < 1):
+            raise ValueError(f"pp must be a positive int or 'auto', got {self.pp!r}")
         positive_number("bucket_mb", self.bucket_mb, "MiB")
         positive_number("timeout", self.timeout, "seconds")
         if self.reduce_dtype not in (None, torch.bfloat16, torch.float16):

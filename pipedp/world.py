@@ -42,6 +42,7 @@ __all__ = ["WorldRow", "WorldChoice", "Trial", "finalists", "pick", "choose_worl
 
 FINALISTS = 3  # layouts timed for real at most
 WITHIN = 1.25  # a layout predicted more than 25% slower than the best is not timed
+PROFILE_REPEATS = 2  # the profile only ranks the layouts (the finalists are timed): 2 runs per block, not 5
 
 
 class Trial(Protocol):
@@ -154,7 +155,8 @@ def choose_world(model: nn.Module, global_batch: torch.Tensor, device: torch.dev
                          f"{world} ranks: pass a global batch of at least {2 * world} (2 per rank)")
     # 1-2: every rank profiles and probes at once, as the world will train; rank 0's figures decide.
     from .forecast import profile_model  # here: `python -m pipedp.forecast` must not find it imported by pipedp
-    profile = profile_model(copy.deepcopy(model).to(device), global_batch[: n // world].to(device), depth=depth)
+    profile = profile_model(copy.deepcopy(model).to(device), global_batch[: n // world].to(device), depth=depth,
+                            repeats=PROFILE_REPEATS)
     allreduce = probe_allreduce(device=device)
     peer = me ^ 1 if (me ^ 1) < world else me - 1
     p2p = probe_p2p(peer, device=device) if world % 2 == 0 else allreduce

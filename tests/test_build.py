@@ -11,7 +11,9 @@ from pipedp.comm import Local, communicator
 from pipedp.decide.layout import Layout
 from pipedp.decide.search import MIN_TRIAL_GAIN
 from pipedp.lower import in_layout
-from pipedp.options import DataParallelOptions, PipelineOptions, TrainingOptions
+from pipedp.models import resnet18
+from pipedp.options import ConcurrencyOptions, DataParallelOptions, PipelineOptions, TrainingOptions
+from pipedp.partition.blocks import blocks_of
 from pipedp.step import StepRunner
 from tests import multiproc
 from tests.decide.clock_tables import TableClock
@@ -38,6 +40,10 @@ def test_a_given_world_layout_is_the_plan_whatever_the_options_left_auto():
     pipe = build_pipeline(model, torch.randn(8, 3, 16, 16), opts, CPU, Local(), given=Layout(1, (4, 5), 2))
     assert pipe.plan.counts == [4, 5] and pipe.plan.microbatch_size == 4
     assert any("pp=auto: dp 1 x pp 2" in n for n in pipe.plan.notes)
+    pieces = build_pipeline(resnet18(width=4), torch.randn(8, 3, 32, 32), opts, CPU, Local(),
+                            concurrency=ConcurrencyOptions(branches=True), given=Layout(1, (len(blocks_of(
+                                resnet18(width=4))),), 1))
+    assert pieces.decision.concurrent  # the user's concurrency pieces ride along with the chosen layout
     with pytest.raises(ValueError, match="cut into 9 here: pass pp=N"):
         build_pipeline(sequential_cnn(), torch.randn(8, 3, 16, 16), opts, CPU, Local(), given=Layout(1, (4, 4), 2))
 

@@ -145,7 +145,7 @@ def decide(parts: Parts, model: nn.Module, sample: torch.Tensor, batch: torch.Te
                 raise ValueError(f"pp=auto chose {given.label} over {sum(given.counts)} blocks, but the model is cut "
                                  f"into {len(parts.blocks)} here: pass pp=N and stages= by hand for this model")
             decision = Decision(Config(tuple(given.counts), given.microbatches, training.channels_last is True,
-                                       training.compile is True),
+                                       training.compile is True, concurrent=pieces),
                                 (f"pp=auto: {given.label}, the fastest of the world's layouts timed "
                                  f"(engine.world.table() lists them)",))
         elif concurrent_cpu(options.threads, devices, comm.world):
