@@ -137,12 +137,14 @@ def _time(step: Callable[[], None], device: torch.device, rounds: int, steps: in
 
 def choose_world(model: nn.Module, global_batch: torch.Tensor, device: torch.device, trial: Trial, *,
                  microbatches: Sequence[int], budget_s: float, bucket_bytes: float, schedule: str = "1f1b",
-                 depth: int = 1, rounds: int = 2, steps: int = 1, now: Callable[[], float] = time.perf_counter) -> WorldChoice:
+                 depth: int = 1, rounds: int = 2, steps: int = 1, k: int = FINALISTS, within: float = WITHIN,
+                 now: Callable[[], float] = time.perf_counter) -> WorldChoice:
     """The layout of this world for training ``model`` on ``global_batch`` (collective: every rank calls it).
 
     ``global_batch``: one step's samples over all ranks, the same on every rank; ``microbatches``: the
     counts a pipeline layout may have; ``budget_s``: seconds of planning after which no further finalist
-    is timed (the first always is); ``trial``: builds a layout for real.
+    is timed (the first always is); ``trial``: builds a layout for real; ``k``, ``within``: which
+    predictions are timed (:func:`finalists`).
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("pp='auto' lays out a torch.distributed world: launch with torchrun and call "
@@ -174,7 +176,7 @@ def choose_world(model: nn.Module, global_batch: torch.Tensor, device: torch.dev
     measured: dict[Layout, float] = {}
     notes = []
     last_s = 0.0  # the last trial's seconds: the next one is started only if one like it still fits the budget
-    for i, p in enumerate(finalists(preds)):
+    for i, p in enumerate(finalists(preds, k, within)):
         if i and _slowest(now() - start + last_s) > budget_s:
             notes.append(f"plan_budget_s={budget_s:g}: {p.layout.label} and later finalists not timed (another "
                          f"trial of about {last_s:.0f} s would not fit)")
