@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import statistics
 import time
 from dataclasses import asdict
@@ -40,8 +41,8 @@ from pipedp.decide.layout import ASSUMPTIONS, Layout, layouts, predict
 from pipedp.decide.probe import probe_allreduce, probe_p2p
 from pipedp.forecast import profile_model
 from pipedp.models import get_model
+from pipedp.world import window_ms
 
-from .machine import sync
 from .world import run_world, world_report
 
 PROG = "python -m experiments.bench_layouts"
@@ -81,7 +82,8 @@ def _measure(name: str, args: argparse.Namespace, device: torch.device, rank: in
     # pp="auto" beside them: it plans on the global batch (profile, probes, timed finalists), then trains its pick.
     t0 = time.perf_counter()
     mine = copy.deepcopy(base)
-    auto = pipedp.wrap(mine, optimizer=torch.optim.SGD(mine.parameters(), lr=0.01, momentum=0.9), loss_fn=nn.CrossEntropyLoss(), pp="auto", microbatches="auto", sample=full, devices=device,
+    auto = pipedp.wrap(mine, optimizer=torch.optim.SGD(mine.parameters(), lr=0.01, momentum=0.9),
+                       loss_fn=nn.CrossEntropyLoss(), pp="auto", microbatches="auto", sample=full, devices=device,
                        profile=False, progress=False, bucket_mb=args.bucket_mb)
     auto_setup_s = time.perf_counter() - t0
     assert auto.world is not None
@@ -92,16 +94,8 @@ def _measure(name: str, args: argparse.Namespace, device: torch.device, rank: in
             eng.train_step(x, y)
     windows: dict[str, list[float]] = {label: [] for label, *_ in runs}
     for _ in range(args.rounds):
-        for label, eng, x, y in runs:
-            dist.barrier()
-            sync(device)
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                eng.train_step(x, y)
-            sync(device)
-            t = torch.tensor([(time.perf_counter() - t0) / args.steps], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step ends for the world when it ends for the last rank
-            windows[label].append(t.item() * 1e3)
+        for label, eng, x, y in runs:  # a step ends for the world when it ends for its last rank
+            windows[label].append(window_ms(functools.partial(eng.train_step, x, y), device, args.steps))
     for _, eng, _, _ in runs:
         eng.close()
     rows = []

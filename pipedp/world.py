@@ -38,7 +38,8 @@ from .decide.links import Link
 from .decide.probe import probe_allreduce, probe_p2p
 from .lower import sync_devices
 
-__all__ = ["WorldRow", "WorldChoice", "Trial", "finalists", "pick", "choose_world", "FINALISTS", "WITHIN"]
+__all__ = ["WorldRow", "WorldChoice", "Trial", "finalists", "pick", "choose_world", "window_ms", "FINALISTS",
+           "WITHIN"]
 
 FINALISTS = 3  # layouts timed for real at most
 WITHIN = 1.25  # a layout predicted more than 25% slower than the best is not timed
@@ -120,19 +121,21 @@ def _slowest(value: float) -> float:
     return float(t.item())
 
 
+def window_ms(step: Callable[[], None], device: torch.device, steps: int) -> float:
+    """One timing window: the slowest rank's ms per step over ``steps`` steps, all ranks starting together."""
+    dist.barrier()
+    sync_devices([device])
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync_devices([device])
+    return _slowest((time.perf_counter() - t0) / steps * 1e3)
+
+
 def _time(step: Callable[[], None], device: torch.device, rounds: int, steps: int) -> float:
     """Median over ``rounds`` windows of the slowest rank's ms per step, after one warm-up step."""
     step()
-    windows = []
-    for _ in range(rounds):
-        dist.barrier()
-        sync_devices([device])
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        sync_devices([device])
-        windows.append(_slowest((time.perf_counter() - t0) / steps * 1e3))
-    return statistics.median(windows)
+    return statistics.median(window_ms(step, device, steps) for _ in range(rounds))
 
 
 def choose_world(model: nn.Module, global_batch: torch.Tensor, device: torch.device, trial: Trial, *,
