@@ -104,15 +104,15 @@ def update_ms(model: nn.Module, device: torch.device, repeats: int = 5) -> float
 SMALL = 4  # the second profile's samples are the first's over this (at least 2: BatchNorm needs them)
 
 
-def whole_ms(model: nn.Module, x: torch.Tensor, repeats: int = 3) -> float:
-    """ms of the whole model's forward and backward on ``x`` (median after a warm-up; gradients dropped)."""
+def whole_ms(model: nn.Module, x: torch.Tensor, repeats: int = 3, warmup: int = 1) -> float:
+    """ms of the whole model's forward and backward on ``x`` (median after ``warmup`` calls; gradients dropped)."""
     times = []
-    for i in range(repeats + 1):
+    for i in range(repeats + warmup):
         sync_devices([x.device])
         t0 = time.perf_counter()
         surrogate_loss(model(x), x).backward()
         sync_devices([x.device])
-        if i:
+        if i >= warmup:
             times.append((time.perf_counter() - t0) * 1e3)
         model.zero_grad(set_to_none=True)
     return statistics.median(times)
@@ -132,12 +132,14 @@ def _calibrated(blocks: list[BlockProfile], whole: float) -> tuple[BlockProfile,
 
 
 def profile_model(model: nn.Module, sample: torch.Tensor, *, depth: int = 1, progress: bool = False,
-                  repeats: int = 5) -> Profile:
+                  repeats: int = 5, warmup: int = 2) -> Profile:
     """Time ``model``'s blocks on ``sample`` (one replica's batch) and on a quarter of it, and its update.
 
-    Each size's blocks are calibrated to the whole model's step at that size.
-    The model is left as it was. ``repeats``: timed runs per block (medians), fewer where the profile
-    only ranks layouts that are then timed for real (``pp="auto"``).
+    Each size's blocks are calibrated to the whole model's step at that size, which is timed first
+    (after one warm-up call: a first call runs slower, ResNet-50 on a CPU core by a quarter). That call
+    also ran every layer at the size, so the blocks after it may need no warm-up of their own. The model
+    is left as it was. ``repeats``: timed runs per block (medians), and ``warmup`` untimed runs before
+    them; fewer where the profile only ranks layouts that are then timed for real (``pp="auto"``).
     """
     device = sample.device
     blocks = blocks_of(model, depth=depth)
@@ -147,10 +149,10 @@ def profile_model(model: nn.Module, sample: torch.Tensor, *, depth: int = 1, pro
     timed = []
     with preserved_state(model, [device]), module_mode(model, training=True), torch.enable_grad():
         for x in sizes:
-            profiles = profile_blocks(measurable(blocks), x, progress=progress, copy_input=copy_input,
-                                      warmup=min(2, repeats), repeats=repeats)
             # The whole step on a copy where the first block modifies its input in place (the caller's batch).
             whole = whole_ms(model, x.clone() if copy_input[0] else x, repeats=max(1, repeats * 3 // 5))
+            profiles = profile_blocks(measurable(blocks), x, progress=progress, copy_input=copy_input,
+                                      warmup=min(warmup, repeats), repeats=repeats)
             timed.append(_calibrated(profiles, whole))
     return Profile(timed[0], sample.shape[0], _device_name(device), torch.get_num_threads(),
                    update_ms(model, device), timed[1] if len(timed) > 1 else (), small_batch if len(timed) > 1 else 0)

@@ -13,7 +13,11 @@ its probe). So, collectively over the world, when the engine is made:
    ranks take its list;
 4. the best few predictions (:func:`finalists`) are built and timed for real
    (a trial: one engine on a copy of the model; the slowest rank's median
-   window), while the planning budget lasts; the first is always timed;
+   window), while the planning budget lasts. A timing decides only beside
+   another, so none is taken where there is one finalist or where two
+   trials (at their predicted steps) would not fit the budget after the
+   profile: then the prediction decides (on a 2-core CPU one ResNet-50
+   trial is 3% of a 10-minute run);
 5. the fastest measured is the layout (:func:`pick`), the same on every rank
    since every figure it rests on is broadcast or all-reduced.
 
@@ -43,7 +47,10 @@ __all__ = ["WorldRow", "WorldChoice", "Trial", "finalists", "pick", "choose_worl
 
 FINALISTS = 3  # layouts timed for real at most
 WITHIN = 1.25  # a layout predicted more than 25% slower than the best is not timed
-PROFILE_REPEATS = 2  # the profile only ranks the layouts (the finalists are timed): 2 runs per block, not 5
+# The profile only ranks the layouts (the finalists are timed): one run per block, not 5, and no warm-up of its
+# own after the whole step's (on a 2-core CPU the profile was two thirds of ResNet-50's planning, 59 of 87 s).
+PROFILE_REPEATS = 1
+PROFILE_WARMUP = 0
 
 
 class Trial(Protocol):
@@ -138,6 +145,11 @@ def _time(step: Callable[[], None], device: torch.device, rounds: int, steps: in
     return statistics.median(window_ms(step, device, steps) for _ in range(rounds))
 
 
+def _trial_s(p: Prediction, rounds: int, steps: int) -> float:
+    """The least a trial of ``p`` costs: its warm-up step and timed windows at the predicted step time."""
+    return (1 + rounds * steps) * p.step_ms / 1e3
+
+
 def choose_world(model: nn.Module, global_batch: torch.Tensor, device: torch.device, trial: Trial, *,
                  microbatches: Sequence[int], budget_s: float, bucket_bytes: float, schedule: str = "1f1b",
                  depth: int = 1, rounds: int = 2, steps: int = 1, k: int = FINALISTS, within: float = WITHIN,
@@ -146,7 +158,7 @@ def choose_world(model: nn.Module, global_batch: torch.Tensor, device: torch.dev
 
     ``global_batch``: one step's samples over all ranks, the same on every rank; ``microbatches``: the
     counts a pipeline layout may have; ``budget_s``: seconds of planning after which no further finalist
-    is timed (the first always is); ``trial``: builds a layout for real; ``k``, ``within``: which
+    is timed (none where two would not fit); ``trial``: builds a layout for real; ``k``, ``within``: which
     predictions are timed (:func:`finalists`).
     """
     if not (dist.is_available() and dist.is_initialized()):
@@ -161,7 +173,7 @@ def choose_world(model: nn.Module, global_batch: torch.Tensor, device: torch.dev
     # 1-2: every rank profiles and probes at once, as the world will train; rank 0's figures decide.
     from .forecast import profile_model  # here: `python -m pipedp.forecast` must not find it imported by pipedp
     profile = profile_model(copy.deepcopy(model).to(device), global_batch[: n // world].to(device), depth=depth,
-                            repeats=PROFILE_REPEATS)
+                            repeats=PROFILE_REPEATS, warmup=PROFILE_WARMUP)
     allreduce = probe_allreduce(device=device)
     peer = me ^ 1 if (me ^ 1) < world else me - 1
     p2p = probe_p2p(peer, device=device) if world % 2 == 0 else allreduce
@@ -179,7 +191,18 @@ def choose_world(model: nn.Module, global_batch: torch.Tensor, device: torch.dev
     measured: dict[Layout, float] = {}
     notes = []
     last_s = 0.0  # the last trial's seconds: the next one is started only if one like it still fits the budget
-    for i, p in enumerate(finalists(preds, k, within)):
+    chosen = finalists(preds, k, within)
+    choice = None  # a layout chosen by prediction alone
+    if len(chosen) == 1:
+        choice = chosen.pop().layout
+        notes.append(f"{choice.label} chosen by prediction, not timed: no other layout was a finalist (predicted "
+                     f"within {within:g}x of the best)")
+    elif _slowest(now() - start + sum(_trial_s(p, rounds, steps) for p in chosen[:2])) > budget_s:
+        notes.append(f"plan_budget_s={budget_s:g}: two trials (about "
+                     f"{sum(_trial_s(p, rounds, steps) for p in chosen[:2]):.0f} s) would not fit after the profile: "
+                     f"chosen by prediction, none timed")
+        chosen = []
+    for i, p in enumerate(chosen):
         if i and _slowest(now() - start + last_s) > budget_s:
             notes.append(f"plan_budget_s={budget_s:g}: {p.layout.label} and later finalists not timed (another "
                          f"trial of about {last_s:.0f} s would not fit)")
@@ -192,4 +215,4 @@ def choose_world(model: nn.Module, global_batch: torch.Tensor, device: torch.dev
             close()
         last_s = now() - t0
     rows = tuple(WorldRow(p, measured.get(p.layout)) for p in preds)
-    return WorldChoice(pick(rows), rows, allreduce, p2p, now() - start, tuple(notes))
+    return WorldChoice(choice or pick(rows), rows, allreduce, p2p, now() - start, tuple(notes))

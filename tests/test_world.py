@@ -104,6 +104,31 @@ def test_a_finalist_is_timed_only_if_a_trial_like_the_last_still_fits_the_budget
     assert "would not fit" in a["notes"][0] and a["planning_s"] == 4.0
 
 
+def _choose_untimed(rank: int, world: int, case: str) -> dict:
+    """One finalist (k=1), or a budget the profile has spent already: no trial is built."""
+    built = []
+
+    def trial(layout: Layout):
+        built.append(layout.label)
+        return (lambda: None), (lambda: None)
+
+    k, budget_s = (1, 60.0) if case == "lone" else (3, 0.0)
+    choice = choose_world(sequential_cnn(), torch.randn(16, 3, 16, 16), torch.device("cpu"), trial,
+                          microbatches=(2, 4), budget_s=budget_s, bucket_bytes=2**20, k=k, within=float("inf"))
+    lone = finalists([r.prediction for r in choice.rows], k=1)[0].layout
+    best = min(choice.rows, key=lambda r: r.prediction.step_ms).layout
+    return {"built": built, "layout": choice.layout, "notes": choice.notes, "lone": lone, "best": best,
+            "measured": [r.measured_ms for r in choice.rows if r.measured_ms is not None]}
+
+
+@pytest.mark.parametrize("case", ["lone", "budget"])
+def test_no_trial_is_timed_where_it_could_decide_nothing(case):
+    a, b = multiproc.run(_choose_untimed, 2, case, timeout_s=120)
+    assert a["built"] == b["built"] == [] and a["measured"] == []
+    assert a["layout"] == b["layout"] == (a["lone"] if case == "lone" else a["best"])
+    assert ("chosen by prediction, not timed" if case == "lone" else "two trials") in a["notes"][0]
+
+
 def _train_auto(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = sequential_cnn()
