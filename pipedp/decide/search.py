@@ -191,8 +191,10 @@ def search(space: Space, measure: Measure, budget: Budget, *, margin: float = MI
     bar = _time_own(space, trials, budget)
     ranked = _time_plans(space, trials, budget, bar, notes)
     bar, ranked = _time_finalists(space, trials, budget, bar, ranked, notes)
-    # Once more side by side, so that drift during the trials favours neither.
-    trials.time(bar)
+    # Once more side by side, so that drift during the trials favours neither (where a plan was timed: the
+    # bar's own figure is a minimum, so timing it again alone could change no choice, and costs a whole step).
+    if ranked:
+        trials.time(bar)
     if ranked and trials.best(ranked[0]) <= trials.best(bar) * (1 + RETIME_WITHIN):
         trials.time(ranked[0])  # only a plan that could still win is timed again
         ranked = sorted(ranked, key=trials.best)

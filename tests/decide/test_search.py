@@ -44,6 +44,16 @@ def test_drift_during_the_trials_favours_neither_side():
     assert d.bar_ms == 9.0 and d.config == Config((4,), 1)
 
 
+def test_the_bar_is_not_timed_again_where_no_plan_was_timed():
+    # Steps of 20 s against a 30 s budget: the own steps spend it, so no plan is timed, and timing the bar
+    # again (another whole step) could change nothing.
+    table = {"plain": 20000.0, "plain channels_last": [15000.0, 1000.0]}  # a second timing would read 1000
+    d, clock = run(space(), table, budget_s=30.0, default=10000.0)
+    assert clock.seen == ["plain", "plain channels_last"] and d.config == Config((4,), 1, channels_last=True)
+    assert clock.calls == {"plain channels_last": 1} and d.bar_ms == 15000.0
+    assert any("the budget ran out before" in n for n in d.notes)
+
+
 def test_a_chosen_plan_is_never_slower_than_the_bar_over_many_random_tables():
     rng = random.Random(0)
     labels = ["plain", "plain channels_last"] + [f"{s}x{m}{c}" for m in (2, 4, 8) for s in (1, 2, 3)

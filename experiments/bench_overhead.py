@@ -1,0 +1,147 @@
+"""Benchmark: what pipedp's engine adds to a step when its plan is the plain step itself.
+
+Where ``stages="auto"`` finds no plan faster than the user's own step, the
+plan is that step (one stage, one microbatch) run by the engine, and the
+engine must cost next to nothing on top (the planner issue's goal: at most
+1% more). On a 2-core CPU, windows of one multi-second step spread by 5-20%,
+so a 1% difference cannot be resolved at the sizes users train; the engine's
+cost is a fixed amount per step (its schedule, hooks and update), not a
+share of the compute. So this measures it where it is largest, on fast steps
+(narrow models, small batches), as milliseconds per step: the plain PyTorch
+step (zero_grad, forward, loss, backward, SGD update) and ``pipedp.wrap(...,
+stages=1, microbatches=1)`` train copies of one model on one batch, in
+alternating windows; per round the engine's window is divided by the plain
+window beside it, and the median of those ratios is the figure (with the
+median difference in ms, which bounds the share at any larger step).
+
+    python -m experiments.bench_overhead --out experiments/results/overhead_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+import pipedp
+from pipedp.models import get_model
+
+from .machine import describe, sync
+from .report import write_json, write_text
+from .workload import parse_ints
+
+
+def _plain(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model(x), y).backward()
+        opt.step()
+    return step
+
+
+def plain_plan(model: nn.Module, device: torch.device) -> pipedp.Engine:
+    """The engine whose plan is the plain step: one stage, one microbatch, no lever."""
+    return pipedp.wrap(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+                       loss_fn=nn.CrossEntropyLoss(), stages=1, microbatches=1, devices=device, profile=False,
+                       progress=False, channels_last=False, kernels="torch")
+
+
+def _window(step: Callable[[], None], device: torch.device, steps: int) -> float:
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync(device)
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
+def measure_row(name: str, width: int, batch: int, device: torch.device, rounds: int, steps: int
+                ) -> dict[str, Any]:
+    """One model size: both steps' windows, the median per-round ratio and the median ms difference."""
+    torch.manual_seed(0)
+    base = get_model(name, num_classes=10, width=width).to(device)
+    x, y = torch.randn(batch, 3, 32, 32, device=device), torch.randint(0, 10, (batch,), device=device)
+    engine = plain_plan(copy.deepcopy(base), device)
+    steps_by = {"plain": _plain(copy.deepcopy(base), x, y), "pipedp": lambda: engine.train_step(x, y)}
+    for step in steps_by.values():
+        for _ in range(3):
+            step()
+    windows: dict[str, list[float]] = {k: [] for k in steps_by}
+    for r in range(rounds):
+        order = list(steps_by) if r % 2 == 0 else list(reversed(steps_by))  # neither always goes first
+        for k in order:
+            windows[k].append(_window(steps_by[k], device, steps))
+    ratios = [e / p for e, p in zip(windows["pipedp"], windows["plain"])]
+    diffs = [e - p for e, p in zip(windows["pipedp"], windows["plain"])]
+    return {"model": name, "width": width, "batch": batch, "windows_ms": windows,
+            "plain_ms": statistics.median(windows["plain"]), "pipedp_ms": statistics.median(windows["pipedp"]),
+            "ratio": statistics.median(ratios), "ratio_spread": [min(ratios), max(ratios)],
+            "extra_ms": statistics.median(diffs)}
+
+
+def _table(rows: Sequence[dict[str, Any]]) -> str:
+    lines = ["| model | width | batch | plain ms | pipedp ms | pipedp / plain (median of rounds) | range | "
+             "extra ms per step |", "|---|---:|---:|---:|---:|---:|---|---:|"]
+    for r in rows:
+        lo, hi = r["ratio_spread"]
+        lines.append(f"| {r['model']} | {r['width']} | {r['batch']} | {r['plain_ms']:.2f} | {r['pipedp_ms']:.2f} | "
+                     f"{r['ratio']:.3f} | {lo:.3f}-{hi:.3f} | {r['extra_ms']:+.2f} |")
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="resnet18", help="a pipedp.models name (CIFAR shapes)")
+    p.add_argument("--widths", default="8,16,64", help="comma list of base widths")
+    p.add_argument("--batch", default="16,32", help="comma list of batch sizes")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--rounds", type=int, default=15, help="alternating window pairs per row")
+    p.add_argument("--steps", type=int, default=0, help="steps per window (0: about 1 s of steps)")
+    p.add_argument("--out", default=None, help="results JSON")
+    p.add_argument("--md", default=None, help="markdown table")
+    return p
+
+
+def bench(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = _parser().parse_args(argv)
+    device = torch.device(args.device)
+    rows = []
+    for width in parse_ints(args.widths, "--widths"):
+        for batch in parse_ints(args.batch, "--batch"):
+            steps = args.steps or _steps_for_a_second(args.model, width, batch, device)
+            rows.append(measure_row(args.model, width, batch, device, args.rounds, steps))
+            rows[-1]["steps_per_window"] = steps
+            print(_table(rows[-1:]).splitlines()[-1], flush=True)
+    out = {"benchmark": "bench_overhead", "machine": describe(device), "rounds": args.rounds, "rows": rows}
+    if args.out:
+        write_json(args.out, out)
+    if args.md:
+        write_text(args.md, f"Machine: {out['machine']}\n\n{_table(rows)}\n")
+    return out
+
+
+def _steps_for_a_second(name: str, width: int, batch: int, device: torch.device) -> int:
+    """Steps per window so that a window takes about a second (at least 1)."""
+    torch.manual_seed(0)
+    model = get_model(name, num_classes=10, width=width).to(device)
+    step = _plain(model, torch.randn(batch, 3, 32, 32, device=device), torch.randint(0, 10, (batch,), device=device))
+    step()
+    ms = _window(step, device, 2)
+    return max(1, int(1000 / max(ms, 1e-3)))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    print(_table(bench(argv)["rows"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
