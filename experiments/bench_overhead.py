@@ -2,8 +2,8 @@
 
 Where ``stages="auto"`` finds no plan faster than the user's own step, the
 plan is that step (one stage, one microbatch) run by the engine, and the
-engine must cost next to nothing on top (the goal: at most 1% more). On a 2-core CPU, windows of one multi-second step spread by 5-20%,
-so a 1% difference cannot be resolved at the sizes users train; the engine's
+engine must cost next to nothing on top (the goal: at most 1% more). On a
+2-core CPU, windows of one multi-second step spread by 5-20%, so a 1% difference cannot be resolved at the sizes users train; the engine's
 cost is a fixed amount per step (its schedule, hooks and update), not a
 share of the compute. So this measures it where it is largest, on fast steps
 (narrow models, small batches), as milliseconds per step: the plain PyTorch
@@ -21,8 +21,7 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import time
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -30,20 +29,13 @@ from torch import nn
 import pipedp
 from pipedp.models import get_model
 
-from .machine import describe, sync
+from .baselines import numerics, plain_step
+from .bench_best import time_window
+from .machine import describe
 from .report import write_json, write_text
 from .workload import parse_ints
 
-
-def _plain(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    loss_fn = nn.CrossEntropyLoss()
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        loss_fn(model(x), y).backward()
-        opt.step()
-    return step
+FP32 = numerics("fp32")  # the user's plain step: fp32, the model's own memory format
 
 
 def plain_plan(model: nn.Module, device: torch.device) -> pipedp.Engine:
@@ -53,37 +45,31 @@ def plain_plan(model: nn.Module, device: torch.device) -> pipedp.Engine:
                        progress=False, channels_last=False, kernels="torch")
 
 
-def _window(step: Callable[[], None], device: torch.device, steps: int) -> float:
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    sync(device)
-    return (time.perf_counter() - t0) / steps * 1e3
-
-
 def measure_row(name: str, width: int, batch: int, device: torch.device, rounds: int, steps: int
                 ) -> dict[str, Any]:
-    """One model size: both steps' windows, the median per-round ratio and the median ms difference."""
+    """One model size: both steps' windows, the median per-round ratio and the median ms difference.
+
+    ``steps`` per window; 0: about a second of steps, from the plain step's warm-up.
+    """
     torch.manual_seed(0)
     base = get_model(name, num_classes=10, width=width).to(device)
     x, y = torch.randn(batch, 3, 32, 32, device=device), torch.randint(0, 10, (batch,), device=device)
-    engine = plain_plan(copy.deepcopy(base), device)
-    steps_by = {"plain": _plain(copy.deepcopy(base), x, y), "pipedp": lambda: engine.train_step(x, y)}
-    for step in steps_by.values():
-        for _ in range(3):
-            step()
+    engine, plain = plain_plan(copy.deepcopy(base), device), copy.deepcopy(base)
+    steps_by = {"plain": plain_step(plain, torch.optim.SGD(plain.parameters(), lr=0.01, momentum=0.9), FP32),
+                "pipedp": engine.train_step}
+    warm_ms = {k: time_window(step, x, y, 3, device) for k, step in steps_by.items()}
+    steps = steps or max(1, int(1000 / max(warm_ms["plain"], 1e-3)))
     windows: dict[str, list[float]] = {k: [] for k in steps_by}
     for r in range(rounds):
         order = list(steps_by) if r % 2 == 0 else list(reversed(steps_by))  # neither always goes first
         for k in order:
-            windows[k].append(_window(steps_by[k], device, steps))
+            windows[k].append(time_window(steps_by[k], x, y, steps, device))
     ratios = [e / p for e, p in zip(windows["pipedp"], windows["plain"])]
     diffs = [e - p for e, p in zip(windows["pipedp"], windows["plain"])]
     return {"model": name, "width": width, "batch": batch, "windows_ms": windows,
             "plain_ms": statistics.median(windows["plain"]), "pipedp_ms": statistics.median(windows["pipedp"]),
             "ratio": statistics.median(ratios), "ratio_spread": [min(ratios), max(ratios)],
-            "extra_ms": statistics.median(diffs)}
+            "extra_ms": statistics.median(diffs), "steps_per_window": steps}
 
 
 def _table(rows: Sequence[dict[str, Any]]) -> str:
@@ -115,9 +101,7 @@ def bench(argv: Sequence[str] | None = None) -> dict[str, Any]:
     rows = []
     for width in parse_ints(args.widths, "--widths"):
         for batch in parse_ints(args.batch, "--batch"):
-            steps = args.steps or _steps_for_a_second(args.model, width, batch, device)
-            rows.append(measure_row(args.model, width, batch, device, args.rounds, steps))
-            rows[-1]["steps_per_window"] = steps
+            rows.append(measure_row(args.model, width, batch, device, args.rounds, args.steps))
             print(_table(rows[-1:]).splitlines()[-1], flush=True)
     out = {"benchmark": "bench_overhead", "machine": describe(device), "rounds": args.rounds, "rows": rows}
     if args.out:
@@ -125,16 +109,6 @@ def bench(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.md:
         write_text(args.md, f"Machine: {out['machine']}\n\n{_table(rows)}\n")
     return out
-
-
-def _steps_for_a_second(name: str, width: int, batch: int, device: torch.device) -> int:
-    """Steps per window so that a window takes about a second (at least 1)."""
-    torch.manual_seed(0)
-    model = get_model(name, num_classes=10, width=width).to(device)
-    step = _plain(model, torch.randn(batch, 3, 32, 32, device=device), torch.randint(0, 10, (batch,), device=device))
-    step()
-    ms = _window(step, device, 2)
-    return max(1, int(1000 / max(ms, 1e-3)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -197,10 +197,9 @@ def choose_world(model: nn.Module, global_batch: torch.Tensor, device: torch.dev
         choice = chosen.pop().layout
         notes.append(f"{choice.label} chosen by prediction, not timed: no other layout was a finalist (predicted "
                      f"within {within:g}x of the best)")
-    elif _slowest(now() - start + sum(_trial_s(p, rounds, steps) for p in chosen[:2])) > budget_s:
-        notes.append(f"plan_budget_s={budget_s:g}: two trials (about "
-                     f"{sum(_trial_s(p, rounds, steps) for p in chosen[:2]):.0f} s) would not fit after the profile: "
-                     f"chosen by prediction, none timed")
+    elif _slowest(now() - start + (two_s := sum(_trial_s(p, rounds, steps) for p in chosen[:2]))) > budget_s:
+        notes.append(f"plan_budget_s={budget_s:g}: two trials (about {two_s:.0f} s) would not fit after the "
+                     f"profile: chosen by prediction, none timed")
         chosen = []
     for i, p in enumerate(chosen):
         if i and _slowest(now() - start + last_s) > budget_s:
