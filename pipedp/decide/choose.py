@@ -48,6 +48,7 @@ __all__ = ["decide", "microbatch_choices", "timed", "COMPILE_S_PER_LEAF"]
 # Triton kernels built by the parallel compile workers of a GPU host (ResNet-18, 52 leaves: 12-22 s on the H100
 # host's 16 cores, where 0.5 s kept compile from every 30 s budget).
 COMPILE_S_PER_LEAF = {"cpu": 0.5, "cuda": 0.35}
+SERIAL_PROFILE = (1, 1)  # warm-up and timed calls per block where the profile decides no cut
 
 
 def microbatch_choices(options: PipelineOptions, batch: int) -> list[int]:
@@ -136,8 +137,15 @@ def decide(parts: Parts, model: nn.Module, sample: torch.Tensor, batch: torch.Te
     # Trials run backward: also when the plan is made by an inference call under no_grad.
     with preserved_state(model, devices), module_mode(model, training=True), torch.enable_grad():
         blocks = measurable(parts.blocks)
+        serial = (given is None and devices[0].type != "cuda"
+                  and not concurrent_cpu(options.threads, devices, comm.world)
+                  and timed(options, devices, comm.pp, comm.world if measure is None else 1))
         if options.profile:
-            profiles = profile_blocks(blocks, sample, progress=options.progress, copy_input=parts.copy_input)
+            # Where the trials time one-stage plans only (a CPU in one process) the cut is the whole model and
+            # the profile decides nothing: one pass after one warm-up gives the plan table its figures.
+            rounds = dict(warmup=SERIAL_PROFILE[0], repeats=SERIAL_PROFILE[1]) if serial else {}
+            profiles = profile_blocks(blocks, sample, progress=options.progress, copy_input=parts.copy_input,
+                                      **rounds)
         else:
             profiles = estimate_blocks(blocks, sample)
         if given is not None:

@@ -8,6 +8,14 @@ only if it beats the bar by ``margin`` (more than trial noise); otherwise the
 bar's own configuration is the plan. Where the user fixed the microbatches
 the plain step is not a choice, and the fastest plan with them is kept.
 
+Where plans are timed on one microbatch (one stage on a CPU) a plan trial
+costs a fraction of a whole step, and the user's own step is the dearest
+trial: there the cheap trials come first. The layout is chosen on the most
+microbatches, fewer microbatches are tried while they pay, and the own step
+is timed last, in that layout (the other layout's only while the budget
+lasts). On a 2-core CPU, where a ResNet-50 step takes 10-20 s, that is what
+lets a 30 s budget reach the plan that wins.
+
 Planning time is part of the cost, so the search has a budget: each trial's
 steps are sized from the first step's time so that the trials fit, finalists
 are timed only while time is left, and a compile (seconds to minutes) only
@@ -152,6 +160,10 @@ class _Trials:
         """What the final side-by-side timing of the bar (and a sampled best plan) will take."""
         return 1.5 * self.steps * self._step_s()
 
+    def own_s(self) -> float:
+        """What a trial of the user's own step will take, at the fastest rate timed (a whole step, not sampled)."""
+        return self.steps * self._step_s()
+
     def _step_s(self) -> float:
         return min(min(v) for v in self.ms.values() if v) / 1e3 if any(self.ms.values()) else 0.0
 
@@ -188,12 +200,16 @@ def search(space: Space, measure: Measure, budget: Budget, *, margin: float = MI
     if not space.microbatches:
         raise ValueError("stages=auto has no microbatch count to try")
     trials, notes = _Trials(measure, budget, report), []
-    bar = _time_own(space, trials, budget)
-    ranked = _time_plans(space, trials, budget, bar, notes)
+    if _cheap_plans(space, measure):
+        bar, ranked = _time_cheap_first(space, trials, budget, notes)
+    else:
+        bar = _time_own(space, trials, budget)
+        ranked = _time_plans(space, trials, budget, bar, notes)
     bar, ranked = _time_finalists(space, trials, budget, bar, ranked, notes)
-    # Once more side by side, so that drift during the trials favours neither (where a plan was timed: the
-    # bar's own figure is a minimum, so timing it again alone could change no choice, and costs a whole step).
-    if ranked:
+    # Once more side by side, so that drift during the trials favours neither: the bar where it was timed
+    # before the fastest plan (where no plan was timed its figure is a minimum, so timing it again alone
+    # could change no choice, and costs a whole step), and below, a plan that could still win.
+    if ranked and trials.order.index(bar) < trials.order.index(ranked[0]):
         trials.time(bar)
     if ranked and trials.best(ranked[0]) <= trials.best(bar) * (1 + RETIME_WITHIN):
         trials.time(ranked[0])  # only a plan that could still win is timed again
@@ -216,6 +232,71 @@ def _time_own(space: Space, trials: _Trials, budget: Budget) -> Config:
     return min(own, key=trials.best)
 
 
+def _cheap_plans(space: Space, measure: Measure) -> bool:
+    """Are plan trials a fraction of a whole step (sampled on one microbatch), so that they go first?"""
+    most = max(space.microbatches)
+    return (space.stages == (1,) and most > 1
+            and measure.share(Config(space.cut(1), most, space.layouts[0], space.compile == (True,))) < 1)
+
+
+def _time_cheap_first(space: Space, trials: _Trials, budget: Budget, notes: list[str],
+                      ) -> tuple[Config, list[Config]]:
+    """One-stage plans from the most microbatches down, then the user's own steps: the bar and the plans.
+
+    Each layout starts at the most microbatches; the faster one there goes
+    first (the faster layout can change with the microbatch size, so the
+    other follows while the budget lasts). Fewer microbatches are tried while
+    they pay (once a count is slower than the one above it, fewer only lose
+    more: larger microbatches fall out of cache) and while the budget keeps
+    room for the own step. That is timed last and always in the layout of
+    the fastest plan: it is the bar; the other layout's while the budget lasts.
+    """
+    forced = space.compile == (True,)
+    counts = sorted((m for m in set(space.microbatches) if m > 1), reverse=True)
+    probes = [Config(space.cut(1), counts[0], cl, forced) for cl in space.layouts]
+    trials.time(probes[0], 1)
+    planned = len(space.layouts) * (len(counts) + 1) + (space.hint is not None)
+    trials.steps = _steps_for(trials.best(probes[0]), trials.extra_s[probes[0]], planned, budget)
+    for c in probes[1:]:
+        trials.time(c)
+    for probe in sorted(probes, key=trials.best):
+        last = trials.best(probe)
+        for m in counts[1:]:
+            c = Config(space.cut(1), m, probe.channels_last, forced)
+            if budget.left() < trials.cost_s(c) + trials.own_s():
+                notes.append(f"stages=auto: the budget ran out before {c.label} (plan_budget_s={budget.seconds:g})")
+                break
+            ms = trials.time(c)
+            if ms > last * (1 + PRUNE_SLACK):
+                break
+            last = min(last, ms)
+    ranked = _retime_close(trials, budget, sorted((c for c in trials.ms if not c.own), key=trials.best))
+    own = [Config((space.blocks,), 1, cl, forced, own=True) for cl in space.layouts]
+    first = own[space.layouts.index(ranked[0].channels_last)]
+    trials.time(first)
+    for c in own:
+        if c in trials.ms:
+            continue
+        if budget.left() < trials.cost_s(c):
+            notes.append(f"stages=auto: {c.label} not timed: the budget ran out (plan_budget_s={budget.seconds:g}), "
+                         f"and the plans ran faster in the other layout")
+            continue
+        trials.time(c)
+    return min((c for c in own if c in trials.ms), key=trials.best), ranked
+
+
+def _retime_close(trials: _Trials, budget: Budget, ranked: list[Config]) -> list[Config]:
+    """Runners-up timed once and close to the fastest plan get a second timing while the budget lasts.
+
+    Where a trial is one step, close plans are a coin toss (cheap where trials are sampled on one microbatch).
+    """
+    for c in ranked[1:]:
+        if (len(trials.ms[c]) == 1 and trials.best(c) <= trials.best(ranked[0]) * (1 + RETIME_PLANS)
+                and budget.left() >= trials.cost_s(c) + trials.reserve_s()):
+            trials.time(c)
+    return sorted(ranked, key=trials.best)
+
+
 def _time_plans(space: Space, trials: _Trials, budget: Budget, bar: Config, notes: list[str]) -> list[Config]:
     """pipedp's plans in the bar's layout while the budget lasts, fastest first."""
     plans = _plans(space, bar.channels_last, bar.compiled)
@@ -232,14 +313,7 @@ def _time_plans(space: Space, trials: _Trials, budget: Budget, bar: Config, note
         # Microbatches trade per-call efficiency for overlap (and cache reuse on a CPU): once a count is
         # slower than the one before it for the same stages, larger counts only lose more.
         last[s] = float("inf") if s in last and ms > last[s] * (1 + PRUNE_SLACK) else ms
-    ranked = sorted((c for c in plans if c in trials.ms), key=trials.best)
-    # Where a trial is one step, close plans are a coin toss: the runners-up that could still be the fastest
-    # get a second timing while the budget lasts (cheap where trials are sampled on one microbatch).
-    for c in ranked[1:]:
-        if (len(trials.ms[c]) == 1 and trials.best(c) <= trials.best(ranked[0]) * (1 + RETIME_PLANS)
-                and budget.left() >= trials.cost_s(c) + trials.reserve_s()):
-            trials.time(c)
-    return sorted(ranked, key=trials.best)
+    return _retime_close(trials, budget, sorted((c for c in plans if c in trials.ms), key=trials.best))
 
 
 def _time_finalists(space: Space, trials: _Trials, budget: Budget, bar: Config, ranked: list[Config],

@@ -19,11 +19,13 @@ class TableClock:
     A value may be a list: successive timings of that configuration (drift).
     ``warm_s`` is what a first call costs (a compile costs ``compile_s``);
     timed steps advance ``time`` by their ms. ``warm_counts``: an eager first
-    call is a timed step (``warm`` returns its ms, as on a CPU).
+    call is a timed step (``warm`` returns its ms, as on a CPU); ``"own"``:
+    only the user's own step's is (as on a CPU, where a plan's first call
+    also sets up its microbatch shapes).
     """
 
     def __init__(self, table: dict, default: float = 50.0, time: FakeTime | None = None, warm_s: float = 0.0,
-                 compile_s: float = 0.0, warm_counts: bool = False) -> None:
+                 compile_s: float = 0.0, warm_counts: bool | str = False) -> None:
         self.table, self.default = dict(table), default
         self.time = time if time is not None else FakeTime()
         self.warm_s, self.compile_s, self.warm_counts = warm_s, compile_s, warm_counts
@@ -42,9 +44,10 @@ class TableClock:
     def warm(self, config) -> float | None:
         self.seen.append(config.label)
         self.time.t += self.compile_s if config.compiled else self.warm_s
-        ms = self._ms(config.label) if self.warm_counts and not config.compiled else self._peek(config.label)
+        counts = (self.warm_counts is True or (self.warm_counts == "own" and config.own)) and not config.compiled
+        ms = self._ms(config.label) if counts else self._peek(config.label)
         self.time.t += ms / 1e3 * self.share(config)
-        return ms if self.warm_counts and not config.compiled else None
+        return ms if counts else None
 
     def _peek(self, label: str) -> float:
         v = self.table.get(label, self.default)

@@ -202,3 +202,70 @@ def test_a_runner_up_timed_once_and_close_to_the_fastest_plan_is_timed_again():
     table["1x4 channels_last"] = [2600.0, 1650.0]
     d, clock = run(space(microbatches=(1, 2, 4, 8)), table, budget_s=30.0, warm_counts=True)
     assert clock.calls["1x4 channels_last"] == 1 and d.chosen == "1x2 channels_last"
+
+
+def sampled(table, **kw):
+    """A table clock whose one-stage plans are timed on one of their microbatches (a CPU's trials)."""
+    clock = TableClock(table, **kw)
+    clock.shares = {f"1x{m}{c}": 1 / m for m in (2, 4, 8) for c in ("", " channels_last")}
+    return clock
+
+
+def test_where_plans_are_sampled_the_cheap_trials_come_first_and_the_own_step_last():
+    # ResNet-50, batch 128, 2-core EPYC: own steps of 18 s (NCHW) and 14 s (channels_last) against a 30 s
+    # budget. Own steps first spent it before any plan; the plans, a quarter of a step each, go first.
+    table = {"plain": 18000.0, "plain channels_last": 14000.0, "1x8": 13000.0, "1x8 channels_last": 10600.0,
+             "1x4 channels_last": 10200.0, "1x2 channels_last": 11000.0, "1x4": 14000.0}
+    sp = space(microbatches=(1, 2, 4, 8))
+    clock = sampled(table, default=1e5, warm_counts="own")
+    d = search(sp, clock, Budget(30.0, clock.time))
+    # The faster layout at 8 microbatches goes first; the other follows while the budget keeps room for the bar.
+    assert clock.seen == ["1x8", "1x8 channels_last", "1x4 channels_last", "1x4", "plain channels_last"]
+    assert d.chosen == "1x4 channels_last" and d.bar == "plain channels_last" and d.bar_ms == 14000.0
+    assert any("ran out before 1x2 channels_last" in n for n in d.notes)
+    assert any("plain not timed: the budget ran out" in n for n in d.notes)
+    assert clock.time.t <= 30.0 + 14.0  # past the budget by at most the own step it keeps room for
+    # Timed whole (no sampling), the same table spends the budget on the own steps and keeps the plain step.
+    whole = TableClock(table, warm_counts="own")
+    assert search(sp, whole, Budget(30.0, whole.time)).chosen == "1x1 channels_last"
+
+
+def test_sampled_plans_walk_both_layouts_and_stop_where_fewer_microbatches_stop_paying():
+    # Channels_last is faster at 8 microbatches, NCHW at 4 (ResNet-50 on the 2-core EPYC had NCHW faster at 16
+    # samples a microbatch, channels_last on the whole batch): with the budget for it both layouts are walked.
+    table = {"plain": 10.0, "plain channels_last": 9.0, "1x8": 9.0, "1x8 channels_last": 8.0,
+             "1x4 channels_last": 7.0, "1x2 channels_last": 7.5, "1x4": 6.0, "1x2": 6.5}
+    clock, heard = sampled(table), []
+    d = search(space(microbatches=(1, 2, 4, 8)), clock, Budget(1e9, clock.time),
+               report=lambda c, ms: heard.append(c.label))
+    assert clock.seen[:6] == ["1x8", "1x8 channels_last", "1x4 channels_last", "1x2 channels_last", "1x4", "1x2"]
+    assert d.chosen == "1x4"
+    # The own steps come last, the bar's layout first (that of the fastest plan), each timed once.
+    assert clock.seen[6:] == ["plain", "plain channels_last"] and d.bar == "plain channels_last"
+    assert heard.count("plain") == 1 and heard.count("plain channels_last") == 1
+    # 4 microbatches slower than 8 by more than the slack: fewer (larger) ones are not timed, however fast.
+    clock = sampled(table | {"1x4 channels_last": 9.0, "1x2 channels_last": 1.0, "1x4": 9.9})
+    d = search(space(microbatches=(1, 2, 4, 8)), clock, Budget(1e9, clock.time))
+    assert "1x2 channels_last" not in clock.seen and "1x2" not in clock.seen and d.chosen == "1x8 channels_last"
+
+
+def test_sampled_search_finds_the_fastest_configuration_where_time_falls_then_rises_with_microbatches():
+    # Each layout's time falls then rises with the microbatch count (its own best count and slope): walking
+    # from the most microbatches down finds the optimum over every configuration, own steps included, or
+    # keeps the own step where no plan beats it by the margin.
+    rng = random.Random(1)
+    counts = (1, 2, 4, 8)
+    for _ in range(300):
+        table = {}
+        for cl in ("", " channels_last"):
+            best_m, slope, scale = rng.choice(counts), rng.uniform(0.06, 0.4), rng.uniform(6.0, 10.0)
+            for m in counts:
+                ms = scale * (1 + slope * abs(counts.index(m) - counts.index(best_m)))
+                table[("plain" if m == 1 else f"1x{m}") + cl] = ms
+        clock = sampled(table)
+        d = search(space(microbatches=counts), clock, Budget(1e9, clock.time))
+        fastest = min(table.values())
+        if d.config.plain:
+            assert d.bar_ms <= fastest / (1 - MIN_TRIAL_GAIN) + 1e-9
+        else:
+            assert table[d.chosen] == pytest.approx(fastest)
