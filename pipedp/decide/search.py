@@ -10,11 +10,10 @@ the plain step is not a choice, and the fastest plan with them is kept.
 
 Where plans are timed on one microbatch (one stage on a CPU) a plan trial
 costs a fraction of a whole step, and the user's own step is the dearest
-trial: there the cheap trials come first. The layout is chosen on the most
-microbatches, fewer microbatches are tried while they pay, and the own step
-is timed last, in that layout (the other layout's only while the budget
-lasts). On a 2-core CPU, where a ResNet-50 step takes 10-20 s, that is what
-lets a 30 s budget reach the plan that wins.
+trial: there the cheap trials come first. Each layout's plans go from the
+most microbatches down while fewer pay, and the own step is timed last, in
+the layout of the fastest plan (the other layout's while the budget lasts):
+where one step takes seconds, that is what lets the budget reach the plans.
 
 Planning time is part of the cost, so the search has a budget: each trial's
 steps are sized from the first step's time so that the trials fit, finalists
@@ -39,7 +38,7 @@ HINT_FACTOR = 1.10  # another precision is hinted at only when it ran at least t
 COMPILE_FINALISTS = 2  # the fastest plans also timed compiled (or with the concurrency pieces)
 MIN_STEPS, MAX_STEPS = 1, 9  # timed steps per trial, after its warm-up call (1 where steps take seconds)
 PRUNE_SLACK = 0.05  # a plan this much slower than the one with fewer microbatches ends that stage count's row
-RETIME_WITHIN = 0.10  # the fastest plan is timed again beside the bar only when this close to it
+RETIME_WITHIN = 0.10  # the fastest plan and the bar are timed again side by side only when this close
 RETIME_PLANS = 0.30  # a plan timed once and this close to the fastest plan is timed again (one CPU step spreads ~20%)
 TRIAL_SHARE = 0.8  # of the budget for the planned trials; the rest is slack for finalists and noise
 
@@ -208,11 +207,13 @@ def search(space: Space, measure: Measure, budget: Budget, *, margin: float = MI
     bar, ranked = _time_finalists(space, trials, budget, bar, ranked, notes)
     # Once more side by side, so that drift during the trials favours neither: the bar where it was timed
     # before the fastest plan (where no plan was timed its figure is a minimum, so timing it again alone
-    # could change no choice, and costs a whole step), and below, a plan that could still win.
-    if ranked and trials.order.index(bar) < trials.order.index(ranked[0]):
+    # could change no choice, and costs a whole step), and both where the plan could still win: the faster
+    # of two timings would favour a plan against a bar timed once.
+    close = bool(ranked) and abs(trials.best(ranked[0]) / trials.best(bar) - 1) <= RETIME_WITHIN
+    if ranked and (close or trials.order.index(bar) < trials.order.index(ranked[0])):
         trials.time(bar)
-    if ranked and trials.best(ranked[0]) <= trials.best(bar) * (1 + RETIME_WITHIN):
-        trials.time(ranked[0])  # only a plan that could still win is timed again
+    if close:
+        trials.time(ranked[0])
         ranked = sorted(ranked, key=trials.best)
     chosen, bar = _choose(space, trials, ranked, margin, f"timed trials on {where}", notes)
     hint = _hint(space, trials, budget, replace(bar, compiled=space.compile == (True,)))
