@@ -3,8 +3,9 @@
 Where ``stages="auto"`` finds no plan faster than the user's own step, the
 plan is that step (one stage, one microbatch) run by the engine, and the
 engine must cost next to nothing on top (the goal: at most 1% more). On a
-2-core CPU, windows of one multi-second step spread by 5-20%, so a 1% difference cannot be resolved at the sizes users train; the engine's
-cost is a fixed amount per step (its schedule, hooks and update), not a
+2-core CPU, windows of one multi-second step spread by 5-20%, so a 1%
+difference cannot be resolved at the sizes users train; the engine's cost
+is a fixed amount per step (its schedule, hooks and update), not a
 share of the compute. So this measures it where it is largest, on fast steps
 (narrow models, small batches), as milliseconds per step: the plain PyTorch
 step (zero_grad, forward, loss, backward, SGD update) and ``pipedp.wrap(...,

@@ -137,12 +137,14 @@ def decide(parts: Parts, model: nn.Module, sample: torch.Tensor, batch: torch.Te
     # Trials run backward: also when the plan is made by an inference call under no_grad.
     with preserved_state(model, devices), module_mode(model, training=True), torch.enable_grad():
         blocks = measurable(parts.blocks)
-        serial = (given is None and devices[0].type != "cuda"
-                  and not concurrent_cpu(options.threads, devices, comm.world)
-                  and timed(options, devices, comm.pp, comm.world if measure is None else 1))
+        # Which way decides (see the module doc); an injected clock times on any rank.
+        threaded = given is None and concurrent_cpu(options.threads, devices, comm.world)
+        by_trials = (given is None and not threaded
+                     and timed(options, devices, comm.pp, comm.world if measure is None else 1))
         if options.profile:
             # Where the trials time one-stage plans only (a CPU in one process) the cut is the whole model and
             # the profile decides nothing: one pass after one warm-up gives the plan table its figures.
+            serial = by_trials and devices[0].type != "cuda"
             rounds = dict(warmup=SERIAL_PROFILE[0], repeats=SERIAL_PROFILE[1]) if serial else {}
             profiles = profile_blocks(blocks, sample, progress=options.progress, copy_input=parts.copy_input,
                                       **rounds)
@@ -156,11 +158,11 @@ def decide(parts: Parts, model: nn.Module, sample: torch.Tensor, batch: torch.Te
                                        training.compile is True, concurrent=pieces),
                                 (f"pp=auto: {given.label}, the fastest of the world's layouts timed "
                                  f"(engine.world.table() lists them)",))
-        elif concurrent_cpu(options.threads, devices, comm.world):
+        elif threaded:
             channels_last = training.channels_last is True
             profiles, decision = decide_cpu(parts, blocks, profiles, sample, batch, options, comm, training,
                                             choices, channels_last, compiled=training.compile is True)
-        elif timed(options, devices, comm.pp, comm.world if measure is None else 1):  # an injected clock: any rank
+        elif by_trials:
             clock = measure if measure is not None else DeviceClock(model, parts, batch, devices, options, comm,
                                                                    training, concurrency)
             hazard = channels_last_hazard(model, devices[0]) if training.channels_last == "auto" else None
