@@ -245,6 +245,7 @@ def test_real_trials_on_a_cpu_time_both_layouts_and_leave_the_model_as_it_was():
     labels = [label for label, _ in pipe.plan.trials]
     # One-stage plans are sampled on one microbatch, so they go first, from the most microbatches down.
     assert labels[:2] == ["1x4", "1x4 channels_last"] and pipe.plan.planning_s > 0
+    assert labels[2].startswith("plain")  # the bar, in the faster probe's layout, before the walk
     assert {"plain", "plain channels_last"} <= set(labels)
     assert pipe.plan.bar in labels and max_diff(model, before) == 0  # trials train nothing
     assert all(p.grad is None for p in model.parameters())

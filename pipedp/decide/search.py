@@ -10,10 +10,13 @@ the plain step is not a choice, and the fastest plan with them is kept.
 
 Where plans are timed on one microbatch (one stage on a CPU) a plan trial
 costs a fraction of a whole step, and the user's own step is the dearest
-trial: there the cheap trials come first. Each layout's plans go from the
-most microbatches down while fewer pay, and the own step is timed last, in
-the layout of the fastest plan (the other layout's while the budget lasts):
-where one step takes seconds, that is what lets the budget reach the plans.
+trial: there the cheap trials come first. Each layout is timed at the most
+microbatches; then the own step in the faster of the two (the bar: it must
+be timed, and once it is, what is left of the budget is known rather than
+guessed); then each layout's plans from the most microbatches down while
+fewer pay and the budget lasts, and the other layout's own step while it
+still does. Where one step takes seconds, that lets the budget reach the
+plans and keeps the planning within it.
 
 Planning time is part of the cost, so the search has a budget: each trial's
 steps are sized from the first step's time so that the trials fit, finalists
@@ -159,10 +162,6 @@ class _Trials:
         """What the final side-by-side timing of the bar (and a sampled best plan) will take."""
         return 1.5 * self.steps * self._step_s()
 
-    def own_s(self) -> float:
-        """What a trial of the user's own step will take, at the fastest rate timed (a whole step, not sampled)."""
-        return self.steps * self._step_s()
-
     def _step_s(self) -> float:
         return min(min(v) for v in self.ms.values() if v) / 1e3 if any(self.ms.values()) else 0.0
 
@@ -199,7 +198,8 @@ def search(space: Space, measure: Measure, budget: Budget, *, margin: float = MI
     if not space.microbatches:
         raise ValueError("stages=auto has no microbatch count to try")
     trials, notes = _Trials(measure, budget, report), []
-    if _cheap_plans(space, measure):
+    cheap = _cheap_plans(space, measure)
+    if cheap:
         bar, ranked = _time_cheap_first(space, trials, budget, notes)
     else:
         bar = _time_own(space, trials, budget)
@@ -208,9 +208,11 @@ def search(space: Space, measure: Measure, budget: Budget, *, margin: float = MI
     # Once more side by side, so that drift during the trials favours neither: the bar where it was timed
     # before the fastest plan (where no plan was timed its figure is a minimum, so timing it again alone
     # could change no choice, and costs a whole step), and both where the plan could still win: the faster
-    # of two timings would favour a plan against a bar timed once.
+    # of two timings would favour a plan against a bar timed once. Where plans are sampled the bar is the
+    # dearest trial by far and is timed again only then (the walk kept room for that, not for more).
     close = bool(ranked) and abs(trials.best(ranked[0]) / trials.best(bar) - 1) <= RETIME_WITHIN
-    if ranked and (close or trials.order.index(bar) < trials.order.index(ranked[0])):
+    drifted = not cheap and bool(ranked) and trials.order.index(bar) < trials.order.index(ranked[0])
+    if close or drifted:
         trials.time(bar)
     if close:
         trials.time(ranked[0])
@@ -242,15 +244,17 @@ def _cheap_plans(space: Space, measure: Measure) -> bool:
 
 def _time_cheap_first(space: Space, trials: _Trials, budget: Budget, notes: list[str],
                       ) -> tuple[Config, list[Config]]:
-    """One-stage plans from the most microbatches down, then the user's own steps: the bar and the plans.
+    """Each layout at the most microbatches, the own step in the faster, then fewer microbatches: the bar and plans.
 
-    Each layout starts at the most microbatches; the faster one there goes
-    first (the faster layout can change with the microbatch size, so the
-    other follows while the budget lasts). Fewer microbatches are tried while
-    they pay (once a count is slower than the one above it, fewer only lose
-    more: larger microbatches fall out of cache) and while the budget keeps
-    room for the own step. That is timed last and always in the layout of
-    the fastest plan: it is the bar; the other layout's while the budget lasts.
+    The own step is the dearest trial and the bar, so it is timed as soon as
+    its layout is known (that of the faster plan at the most microbatches);
+    the walk then fits what is left, keeping room to time the bar again
+    beside a plan that comes within RETIME_WITHIN of it. Each layout's walk
+    goes from the most microbatches down (the faster layout first: which
+    layout is faster can change with the microbatch size) while fewer pay:
+    once a count is slower than the one above it, fewer only lose more
+    (larger microbatches fall out of cache). The other layout's own step is
+    timed last, while the budget lasts.
     """
     forced = space.compile == (True,)
     counts = sorted((m for m in set(space.microbatches) if m > 1), reverse=True)
@@ -260,11 +264,23 @@ def _time_cheap_first(space: Space, trials: _Trials, budget: Budget, notes: list
     trials.steps = _steps_for(trials.best(probes[0]), trials.extra_s[probes[0]], planned, budget)
     for c in probes[1:]:
         trials.time(c)
-    for probe in sorted(probes, key=trials.best):
+    probes = sorted(probes, key=trials.best)
+    own = [Config((space.blocks,), 1, cl, forced, own=True) for cl in space.layouts]
+    bar = own[space.layouts.index(probes[0].channels_last)]
+    trials.time(bar)
+
+    def room(c: Config) -> bool:
+        fastest = min((p for p in trials.ms if not p.own), key=trials.best)
+        # Plans only get faster: once one beats the bar by more than RETIME_WITHIN the bar is not timed again.
+        again = trials.best(bar) + trials.best(fastest) * trials.measure.share(fastest)  # both, side by side
+        keep = 0.0 if trials.best(fastest) < trials.best(bar) * (1 - RETIME_WITHIN) else trials.steps * again / 1e3
+        return budget.left() >= trials.cost_s(c) + keep
+
+    for probe in probes:
         last = trials.best(probe)
         for m in counts[1:]:
             c = Config(space.cut(1), m, probe.channels_last, forced)
-            if budget.left() < trials.cost_s(c) + trials.own_s():
+            if not room(c):
                 notes.append(f"stages=auto: the budget ran out before {c.label} (plan_budget_s={budget.seconds:g})")
                 break
             ms = trials.time(c)
@@ -272,15 +288,12 @@ def _time_cheap_first(space: Space, trials: _Trials, budget: Budget, notes: list
                 break
             last = min(last, ms)
     ranked = _retime_close(trials, budget, sorted((c for c in trials.ms if not c.own), key=trials.best))
-    own = [Config((space.blocks,), 1, cl, forced, own=True) for cl in space.layouts]
-    first = own[space.layouts.index(ranked[0].channels_last)]
-    trials.time(first)
     for c in own:
         if c in trials.ms:
             continue
         if budget.left() < trials.cost_s(c):
             notes.append(f"stages=auto: {c.label} not timed: the budget ran out (plan_budget_s={budget.seconds:g}), "
-                         f"and the plans ran faster in the other layout")
+                         f"and the plans of {counts[0]} microbatches ran faster in the other layout")
             continue
         trials.time(c)
     return min((c for c in own if c in trials.ms), key=trials.best), ranked

@@ -102,8 +102,14 @@ def test_two_profiled_sizes_give_each_block_a_fixed_cost_per_call():
     assert BlockCosts(tuple(big), 16).at(8)[0].forward_ms == pytest.approx(5.0)  # one size: in proportion
     # Eight microbatches of 2 pay the fixed part eight times: slower than the samples alone say.
     assert 8 * c.at(2)[0].forward_ms > 8 * BlockCosts(tuple(big), 16).at(2)[0].forward_ms
-    noisy = BlockCosts(tuple(big), 16, (BlockProfile("a", 1.0, 1.0, 0, 0, 0),), 4)  # faster than in proportion
-    assert noisy.at(8)[0].forward_ms == pytest.approx(5.0)  # no negative fixed part
+    # Faster than in proportion on fewer samples (cache): each size is predicted as measured, the sizes between
+    # on the line through both, those outside in proportion to the nearer size (never a negative time).
+    steep = BlockCosts(tuple(big), 16, (BlockProfile("a", 1.0, 2.0, 0, 0, 0),), 4)
+    assert [steep.at(n)[0].forward_ms for n in (4, 16)] == pytest.approx([1.0, 10.0])
+    assert steep.at(8)[0].forward_ms == pytest.approx(4.0) and steep.at(2)[0].forward_ms == pytest.approx(0.5)
+    assert steep.at(32)[0].forward_ms == pytest.approx(20.0)
+    noisy = BlockCosts(tuple(big), 16, (BlockProfile("a", 12.0, 30.0, 0, 0, 0),), 4)  # fewer samples slower
+    assert noisy.at(8)[0].forward_ms == pytest.approx(10.0) and noisy.at(8)[0].backward_ms == pytest.approx(20.0)
     with pytest.raises(ValueError, match="fewer samples than 16"):
         BlockCosts(tuple(big), 16, tuple(small), 16)
 

@@ -211,23 +211,45 @@ def sampled(table, **kw):
     return clock
 
 
-def test_where_plans_are_sampled_the_cheap_trials_come_first_and_the_own_step_last():
+def test_where_plans_are_sampled_the_own_step_follows_the_cheap_probes_and_the_walk_fits_what_is_left():
     # ResNet-50, batch 128, 2-core EPYC: own steps of 18 s (NCHW) and 14 s (channels_last) against a 30 s
-    # budget. Own steps first spent it before any plan; the plans, a quarter of a step each, go first.
+    # budget. Own steps first spent it before any plan, and an own step timed last ran 1.6x the rate its room
+    # was kept at (planning 34 s). The probes at 8 microbatches (an eighth of a step each) name the bar's
+    # layout; the bar is timed next, and the walk fits what is then known to be left.
     table = {"plain": 18000.0, "plain channels_last": 14000.0, "1x8": 13000.0, "1x8 channels_last": 10600.0,
              "1x4 channels_last": 10200.0, "1x2 channels_last": 11000.0, "1x4": 14000.0}
     sp = space(microbatches=(1, 2, 4, 8))
     clock = sampled(table, default=1e5, warm_counts="own")
     d = search(sp, clock, Budget(30.0, clock.time))
-    # The faster layout at 8 microbatches goes first; the other follows while the budget keeps room for the bar.
-    assert clock.seen == ["1x8", "1x8 channels_last", "1x4 channels_last", "1x4", "plain channels_last"]
+    assert clock.seen == ["1x8", "1x8 channels_last", "plain channels_last", "1x4 channels_last"]
     assert d.chosen == "1x4 channels_last" and d.bar == "plain channels_last" and d.bar_ms == 14000.0
     assert any("ran out before 1x2 channels_last" in n for n in d.notes)
     assert any("plain not timed: the budget ran out" in n for n in d.notes)
-    assert clock.time.t <= 30.0 + 14.0  # past the budget by at most the own step it keeps room for
+    assert clock.time.t <= 30.0
+    # With more budget the walk goes on in both layouts, still inside it.
+    clock = sampled(table, default=1e5, warm_counts="own")
+    d = search(sp, clock, Budget(45.0, clock.time))
+    assert clock.seen[3:] == ["1x4 channels_last", "1x2 channels_last", "1x4"] and clock.time.t <= 45.0
     # Timed whole (no sampling), the same table spends the budget on the own steps and keeps the plain step.
     whole = TableClock(table, warm_counts="own")
     assert search(sp, whole, Budget(30.0, whole.time)).chosen == "1x1 channels_last"
+
+
+def test_where_plans_are_sampled_room_to_time_the_bar_again_is_kept_only_while_a_plan_could_come_close():
+    # Plans within RETIME_WITHIN of the bar get it timed again (a whole step): the walk keeps room for that
+    # while no plan beats the bar by more; once one does, the walk may spend that room on plans.
+    far = {"plain channels_last": 10000.0, "plain": 12000.0, "1x8 channels_last": 9700.0,
+           "1x4 channels_last": 9600.0, "1x2 channels_last": 9500.0, "1x8": 11000.0, "1x4": 11500.0}
+    near = far | {"1x8 channels_last": 8000.0, "1x4 channels_last": 7900.0, "1x2 channels_last": 7800.0}
+    sp = space(microbatches=(1, 2, 4, 8))
+    seen = {}
+    for name, table in (("far", far), ("near", near)):
+        clock = sampled(table, warm_counts="own")
+        d = search(sp, clock, Budget(30.0, clock.time))
+        assert clock.time.t <= 30.0
+        seen[name] = (clock.seen, d.chosen)
+    assert seen["far"] == (["1x8", "1x8 channels_last", "plain channels_last"], "1x8 channels_last")
+    assert seen["near"][0][3:] == ["1x4 channels_last", "1x2 channels_last"] and seen["near"][1] == "1x2 channels_last"
 
 
 def test_sampled_plans_walk_both_layouts_and_stop_where_fewer_microbatches_stop_paying():
@@ -238,10 +260,11 @@ def test_sampled_plans_walk_both_layouts_and_stop_where_fewer_microbatches_stop_
     clock, heard = sampled(table), []
     d = search(space(microbatches=(1, 2, 4, 8)), clock, Budget(1e9, clock.time),
                report=lambda c, ms: heard.append(c.label))
-    assert clock.seen[:6] == ["1x8", "1x8 channels_last", "1x4 channels_last", "1x2 channels_last", "1x4", "1x2"]
+    plans = [label for label in clock.seen if not label.startswith("plain")]
+    assert plans == ["1x8", "1x8 channels_last", "1x4 channels_last", "1x2 channels_last", "1x4", "1x2"]
     assert d.chosen == "1x4"
-    # The own steps come last, the bar's layout first (that of the fastest plan), each timed once.
-    assert clock.seen[6:] == ["plain", "plain channels_last"] and d.bar == "plain channels_last"
+    # The bar's own step follows the probes, in the faster probe's layout; the other own step comes last.
+    assert clock.seen[2] == "plain channels_last" and clock.seen[-1] == "plain" and d.bar == "plain channels_last"
     assert heard.count("plain") == 1 and heard.count("plain channels_last") == 1
     # 4 microbatches slower than 8 by more than the slack: fewer (larger) ones are not timed, however fast.
     clock = sampled(table | {"1x4 channels_last": 9.0, "1x2 channels_last": 1.0, "1x4": 9.9})
