@@ -69,25 +69,60 @@ class BufferSnapshot:
                 torch._foreach_copy_(dst, src)
 
 
+_IMMUTABLE = (int, float, bool, complex, str, bytes, type(None))
+
+
+def _kept(value: Any) -> Any:
+    """``value`` as it is now: itself where it cannot change in place (numbers, strings), else a deep copy."""
+    if isinstance(value, _IMMUTABLE) or (isinstance(value, tuple) and all(isinstance(v, _IMMUTABLE) for v in value)):
+        return value
+    return copy.deepcopy(value)
+
+
 class _Copies:
-    """Reusable copies of a changing set of tensors, copied in one foreach call per device and dtype."""
+    """Reusable copies of a changing set of tensors, copied in one foreach call per device and dtype.
+
+    While a save gets the same keys and tensor objects as the one before, of
+    the same shapes and dtypes (every step of a training run, once the
+    optimizer state exists; ``model.double()`` keeps the parameter objects
+    and changes their dtype), it reuses the pairs it grouped: a step pays the
+    copies, not the bookkeeping.
+    """
 
     def __init__(self) -> None:
         self.saved: dict[tuple[int, str], torch.Tensor] = {}
+        self.keys: list[tuple[int, str]] = []
+        self.live: list[torch.Tensor] = []  # the tensors of the last save, in the order of ``keys``
+        self.copies: list[torch.Tensor] = []  # their copies, in the same order
+        self.pairs: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
 
-    def save(self, tensors: dict[tuple[int, str], torch.Tensor]) -> None:
-        for key in [k for k in self.saved if k not in tensors]:
+    def save(self, tensors: Sequence[tuple[tuple[int, str], torch.Tensor]]) -> None:
+        keys = [k for k, _ in tensors]
+        live = [t for _, t in tensors]
+        if (keys != self.keys or not all(map(operator.is_, live, self.live))
+                or not all(map(_alike, live, self.copies))):
+            self._regroup(keys, live)
+        for dsts, srcs in self.pairs:
+            torch._foreach_copy_(dsts, srcs)
+
+    def _regroup(self, keys: list[tuple[int, str]], live: list[torch.Tensor]) -> None:
+        wanted = set(keys)
+        for key in [k for k in self.saved if k not in wanted]:
             del self.saved[key]
         pairs: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        for key, t in tensors.items():
+        for key, t in zip(keys, live):
             dst = self.saved.get(key)
             if dst is None or dst.shape != t.shape or dst.dtype != t.dtype or dst.device != t.device:
                 self.saved[key] = dst = torch.empty_like(t, memory_format=torch.preserve_format)
             dsts, srcs = pairs.setdefault((t.device, t.dtype), ([], []))
             dsts.append(dst)
             srcs.append(t)
-        for dsts, srcs in pairs.values():
-            torch._foreach_copy_(dsts, srcs)
+        self.keys, self.live, self.pairs = keys, live, list(pairs.values())
+        self.copies = [self.saved[k] for k in keys]
+
+
+def _alike(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
 
 
 class UpdateSnapshot:
@@ -97,6 +132,8 @@ class UpdateSnapshot:
     of one more copy of parameters and optimizer state); :meth:`restore`
     puts every value back, drops state the failed step created and keys it
     added, so a step that raised inside the optimizer leaves nothing changed.
+    Values that cannot change in place (numbers, strings) are kept as they
+    are; others are copied.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
@@ -107,19 +144,23 @@ class UpdateSnapshot:
         self.groups: list[dict[str, Any]] = []
 
     def save(self) -> None:
-        live: dict[tuple[int, str], torch.Tensor] = {}
+        live: list[tuple[tuple[int, str], torch.Tensor]] = []
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]  # groups may have been added
         self.state = []
         for i, p in enumerate(self.params):
-            live[i, ""] = p.detach()
+            live.append(((i, ""), p))
             st = self.optimizer.state.get(p)
             if st is None:
                 self.state.append(None)
                 continue
-            self.state.append({k: copy.deepcopy(v) for k, v in st.items() if not isinstance(v, torch.Tensor)})
-            live.update(((i, k), v.detach()) for k, v in st.items() if isinstance(v, torch.Tensor))
-        self.groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
-                       for g in self.optimizer.param_groups]
+            plain = {}
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    live.append(((i, k), v))
+                else:
+                    plain[k] = _kept(v)
+            self.state.append(plain)
+        self.groups = [{k: _kept(v) for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         with torch.no_grad():
             self.tensors.save(live)
 
@@ -136,7 +177,7 @@ class UpdateSnapshot:
                 tensors = {k: t for (j, k), t in saved.items() if j == i and k}
                 for k in [k for k in st if k not in plain and k not in tensors]:
                     del st[k]
-                st.update(copy.deepcopy(plain))
+                st.update({k: _kept(v) for k, v in plain.items()})
                 for k, t in tensors.items():
                     cur = st.get(k)
                     if isinstance(cur, torch.Tensor) and cur.shape == t.shape and cur.dtype == t.dtype \
@@ -145,7 +186,7 @@ class UpdateSnapshot:
                     else:
                         st[k] = t.clone()
         for g, kept in zip(self.optimizer.param_groups, self.groups):
-            g.update(copy.deepcopy(kept))
+            g.update({k: _kept(v) for k, v in kept.items()})
 
 
 def _cuda_indices(devices: Sequence[torch.device | str]) -> list[int]:

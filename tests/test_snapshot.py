@@ -80,3 +80,51 @@ def test_update_snapshot_reuses_its_copies_and_restores_values_keys_and_groups()
     assert torch.equal(model.weight, weight) and torch.equal(opt.state[model.weight]["momentum_buffer"], kept)
     assert opt.state[model.weight]["momentum_buffer"] is momentum  # restored in place, same tensor
     assert "added" not in opt.state[model.weight] and opt.param_groups[0]["lr"] == 0.1
+
+
+def test_update_snapshot_follows_parameters_that_change_dtype_or_shape_in_place():
+    # model.double() keeps the parameter objects and gives them new data: the copies follow, not the old dtype.
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    snap = UpdateSnapshot(opt)
+    snap.save()
+    model.double()
+    for st in opt.state.values():
+        st["momentum_buffer"] = st["momentum_buffer"].double()
+    with torch.no_grad():
+        model.weight.add_(1e-12)  # a change only a float64 copy keeps
+    before = model.weight.detach().clone()
+    snap.save()
+    assert all(t.dtype == torch.float64 for t in snap.tensors.saved.values())
+    with torch.no_grad():
+        model.weight.mul_(3.0)
+    snap.restore()
+    assert torch.equal(model.weight, before)
+    model.weight.data = torch.zeros(5, 3, dtype=torch.float64)  # another shape, same object
+    snap.save()
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    snap.restore()
+    assert torch.equal(model.weight, torch.zeros(5, 3, dtype=torch.float64))
+
+
+def test_update_snapshot_copies_state_that_can_change_in_place_and_keeps_numbers_as_they_are():
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.state[model.weight] = {"history": [1, 2], "count": 3}
+    opt.param_groups[0]["betas"] = (0.9, 0.99)
+    opt.param_groups[0]["schedule"] = {"warmup": 5}
+    snap = UpdateSnapshot(opt)
+    snap.save()
+    opt.state[model.weight]["history"].append(3)
+    opt.state[model.weight]["count"] = 4
+    opt.param_groups[0]["schedule"]["warmup"] = 0
+    snap.restore()
+    assert opt.state[model.weight] == {"history": [1, 2], "count": 3}
+    assert opt.param_groups[0]["schedule"] == {"warmup": 5} and opt.param_groups[0]["betas"] == (0.9, 0.99)
+    snap.restore()  # restoring twice gives the same values, not objects the first restore handed out
+    opt.state[model.weight]["history"].append(9)
+    snap.restore()
+    assert opt.state[model.weight]["history"] == [1, 2]
