@@ -253,7 +253,8 @@ def _time_cheap_first(space: Space, trials: _Trials, budget: Budget, notes: list
     goes from the most microbatches down (the faster layout first: which
     layout is faster can change with the microbatch size) while fewer pay:
     once a count is slower than the one above it, fewer only lose more
-    (larger microbatches fall out of cache). The other layout's own step is
+    (larger microbatches fall out of cache); after each walk, close
+    runners-up timed once are timed again. The other layout's own step is
     timed last, while the budget lasts.
     """
     forced = space.compile == (True,)
@@ -269,25 +270,28 @@ def _time_cheap_first(space: Space, trials: _Trials, budget: Budget, notes: list
     bar = own[space.layouts.index(probes[0].channels_last)]
     trials.time(bar)
 
-    def room(c: Config) -> bool:
+    def keep_s() -> float:
+        """Room for timing the bar again beside the fastest plan, needed only while that plan is close to it."""
         fastest = min((p for p in trials.ms if not p.own), key=trials.best)
         # Plans only get faster: once one beats the bar by more than RETIME_WITHIN the bar is not timed again.
-        again = trials.best(bar) + trials.best(fastest) * trials.measure.share(fastest)  # both, side by side
-        keep = 0.0 if trials.best(fastest) < trials.best(bar) * (1 - RETIME_WITHIN) else trials.steps * again / 1e3
-        return budget.left() >= trials.cost_s(c) + keep
+        if trials.best(fastest) < trials.best(bar) * (1 - RETIME_WITHIN):
+            return 0.0
+        return trials.steps * (trials.best(bar) + trials.best(fastest) * trials.measure.share(fastest)) / 1e3
 
     for probe in probes:
         last = trials.best(probe)
         for m in counts[1:]:
             c = Config(space.cut(1), m, probe.channels_last, forced)
-            if not room(c):
+            if budget.left() < trials.cost_s(c) + keep_s():
                 notes.append(f"stages=auto: the budget ran out before {c.label} (plan_budget_s={budget.seconds:g})")
                 break
             ms = trials.time(c)
             if ms > last * (1 + PRUNE_SLACK):
                 break
             last = min(last, ms)
-    ranked = _retime_close(trials, budget, sorted((c for c in trials.ms if not c.own), key=trials.best))
+        # A second timing of a close runner-up settles a coin toss for less than a new plan costs: before the
+        # other layout's walk, which is the longer shot (its plans were slower at the most microbatches).
+        ranked = _retime_close(trials, budget, sorted((c for c in trials.ms if not c.own), key=trials.best), keep_s)
     for c in own:
         if c in trials.ms:
             continue
@@ -299,14 +303,17 @@ def _time_cheap_first(space: Space, trials: _Trials, budget: Budget, notes: list
     return min((c for c in own if c in trials.ms), key=trials.best), ranked
 
 
-def _retime_close(trials: _Trials, budget: Budget, ranked: list[Config]) -> list[Config]:
+def _retime_close(trials: _Trials, budget: Budget, ranked: list[Config], keep_s: Callable[[], float]
+                  ) -> list[Config]:
     """Runners-up timed once and close to the fastest plan get a second timing while the budget lasts.
 
     Where a trial is one step, close plans are a coin toss (cheap where trials are sampled on one microbatch).
+    A second timing costs its steps alone (the run is warm); ``keep_s()`` is the room kept for what follows.
     """
     for c in ranked[1:]:
+        again_s = trials.steps * trials.best(c) * trials.measure.share(c) / 1e3
         if (len(trials.ms[c]) == 1 and trials.best(c) <= trials.best(ranked[0]) * (1 + RETIME_PLANS)
-                and budget.left() >= trials.cost_s(c) + trials.reserve_s()):
+                and budget.left() >= again_s + keep_s()):
             trials.time(c)
     return sorted(ranked, key=trials.best)
 
@@ -327,7 +334,8 @@ def _time_plans(space: Space, trials: _Trials, budget: Budget, bar: Config, note
         # Microbatches trade per-call efficiency for overlap (and cache reuse on a CPU): once a count is
         # slower than the one before it for the same stages, larger counts only lose more.
         last[s] = float("inf") if s in last and ms > last[s] * (1 + PRUNE_SLACK) else ms
-    return _retime_close(trials, budget, sorted((c for c in plans if c in trials.ms), key=trials.best))
+    ranked = sorted((c for c in plans if c in trials.ms), key=trials.best)
+    return _retime_close(trials, budget, ranked, trials.reserve_s)
 
 
 def _time_finalists(space: Space, trials: _Trials, budget: Budget, bar: Config, ranked: list[Config],
