@@ -9,13 +9,31 @@ import torch
 
 from pipedp.ops.artifact import cpu_name
 
-__all__ = ["describe", "sync"]
+__all__ = ["describe", "cpu_features", "sync"]
+
+# The vector and matrix instruction sets that decide a CPU's speed in fp32 and bf16 (a model name such as
+# "AMD EPYC" names several generations: with and without AVX-512 BF16).
+FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def cpu_features(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
+    """Which of FEATURES this CPU has (from ``cpuinfo``'s first flags line; empty where there is none)."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    return [name for name in FEATURES if name in have]
+    except OSError:
+        pass
+    return []
 
 
 def describe(device: torch.device | str = "cpu") -> dict[str, object]:
     device = torch.device(device)
     out: dict[str, object] = {
         "cpu": cpu_name(),
+        "cpu_features": cpu_features(),
         "cpu_cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,

@@ -122,7 +122,7 @@ class _Copies:
 
 
 def _alike(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and a.stride() == b.stride()
 
 
 class UpdateSnapshot:

@@ -84,15 +84,12 @@ def test_update_snapshot_reuses_its_copies_and_restores_values_keys_and_groups()
 
 def test_update_snapshot_follows_parameters_that_change_dtype_or_shape_in_place():
     # model.double() keeps the parameter objects and gives them new data: the copies follow, not the old dtype.
+    # Plain SGD keeps no tensor state, so nothing but the parameters' own dtype and shape tells the save.
     model = nn.Linear(3, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model(torch.randn(4, 3)).sum().backward()
-    opt.step()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     snap = UpdateSnapshot(opt)
     snap.save()
     model.double()
-    for st in opt.state.values():
-        st["momentum_buffer"] = st["momentum_buffer"].double()
     with torch.no_grad():
         model.weight.add_(1e-12)  # a change only a float64 copy keeps
     before = model.weight.detach().clone()
@@ -110,7 +107,7 @@ def test_update_snapshot_follows_parameters_that_change_dtype_or_shape_in_place(
     assert torch.equal(model.weight, torch.zeros(5, 3, dtype=torch.float64))
 
 
-def test_update_snapshot_copies_state_that_can_change_in_place_and_keeps_numbers_as_they_are():
+def test_update_snapshot_copies_state_that_can_change_in_place():
     model = nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     opt.state[model.weight] = {"history": [1, 2], "count": 3}

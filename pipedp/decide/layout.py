@@ -9,8 +9,9 @@ pipeline moves activations and idles in its bubble. The prediction:
 * compute: each stage's forward and backward, the sums of its profiled
   blocks at the microbatch's samples (:class:`BlockCosts`: through two
   profiled sizes where there are two, a fixed part per call plus a part per
-  sample, each profiled size predicted as measured; else in proportion to
-  the samples), run through the schedule
+  sample, each profiled size predicted as measured unless more samples ran
+  faster, which is noise; else in proportion to the samples), run through
+  the schedule
   simulator (:mod:`pipedp.pipeline.simulate`) as the executor would
   issue them, every stage on its own rank;
 * point-to-point: each cut's activation (and its gradient, back) costs
@@ -47,8 +48,8 @@ __all__ = ["BlockCosts", "Layout", "Prediction", "predict", "layouts", "rank", "
 
 ASSUMPTIONS = (
     "a block's time at any microbatch size is a fixed part plus a part per sample, fitted to its two profiled sizes "
-    "(in proportion to the samples from the nearer size where the fit's fixed part is negative, or where one size "
-    "was profiled)",
+    "(where the fit's fixed part is negative, sizes outside the two in proportion to the samples from the nearer "
+    "one; in proportion to the samples where one size was profiled)",
     "every rank computes as fast as the device the blocks were profiled on (blocks scaled to the whole model's step)",
     "gradients are ring-all-reduced per stage in buckets, overlapped with the stage's last backward",
     "the optimizer's update takes the profiled time (SGD with momentum), split over the stages by their parameters",

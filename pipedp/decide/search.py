@@ -150,13 +150,15 @@ class _Trials:
         """The most a first call beyond a step has cost (per whole step), among compiled or eager runs."""
         return max((s for k, s in self.extra_s.items() if k.compiled == compiled), default=default)
 
-    def cost_s(self, c: Config) -> float:
-        """Expected seconds of a first trial of ``c``: its warm-up and timed steps, at the plain step's rate.
+    def cost_s(self, c: Config, ms: float | None = None) -> float:
+        """Expected seconds of a first trial of ``c``: its warm-up and timed steps, at ``ms`` per step where a
+        like configuration was timed, else at the fastest rate timed.
 
         The warm-up is charged what eager first calls cost beyond a timed step (a compile is charged apart):
         next to nothing where a first call counts as a step.
         """
-        return (self.first_s(False) + self.steps * self._step_s()) * self.measure.share(c)
+        step_s = self._step_s() if ms is None else ms / 1e3
+        return (self.first_s(False) + self.steps * step_s) * self.measure.share(c)
 
     def reserve_s(self) -> float:
         """What the final side-by-side timing of the bar (and a sampled best plan) will take."""
@@ -270,32 +272,41 @@ def _time_cheap_first(space: Space, trials: _Trials, budget: Budget, notes: list
     bar = own[space.layouts.index(probes[0].channels_last)]
     trials.time(bar)
 
-    def keep_s() -> float:
-        """Room for timing the bar again beside the fastest plan, needed only while that plan is close to it."""
+    def again_s(bar_ms: float) -> float:
+        """Room for timing a bar of ``bar_ms`` again beside the fastest plan: needed only while that is close."""
         fastest = min((p for p in trials.ms if not p.own), key=trials.best)
         # Plans only get faster: once one beats the bar by more than RETIME_WITHIN the bar is not timed again.
-        if trials.best(fastest) < trials.best(bar) * (1 - RETIME_WITHIN):
+        if trials.best(fastest) < bar_ms * (1 - RETIME_WITHIN):
             return 0.0
-        return trials.steps * (trials.best(bar) + trials.best(fastest) * trials.measure.share(fastest)) / 1e3
+        return trials.steps * (bar_ms + trials.best(fastest) * trials.measure.share(fastest)) / 1e3
+
+    def keep_s() -> float:
+        return again_s(trials.best(bar))
 
     for probe in probes:
         last = trials.best(probe)
         for m in counts[1:]:
             c = Config(space.cut(1), m, probe.channels_last, forced)
-            if budget.left() < trials.cost_s(c) + keep_s():
+            if budget.left() < trials.cost_s(c, last) + keep_s():  # at the rate of its layout's last count
                 notes.append(f"stages=auto: the budget ran out before {c.label} (plan_budget_s={budget.seconds:g})")
                 break
             ms = trials.time(c)
             if ms > last * (1 + PRUNE_SLACK):
                 break
             last = min(last, ms)
-        # A second timing of a close runner-up settles a coin toss for less than a new plan costs: before the
-        # other layout's walk, which is the longer shot (its plans were slower at the most microbatches).
-        ranked = _retime_close(trials, budget, sorted((c for c in trials.ms if not c.own), key=trials.best), keep_s)
+        # A second timing of a close runner-up of this layout settles a coin toss for less than a new plan
+        # costs: before the other layout's walk, which is the longer shot (slower at the most microbatches).
+        _retime_close(trials, budget, sorted((c for c in trials.ms if not c.own), key=trials.best), keep_s,
+                      layout=probe.channels_last)
+    ranked = sorted((c for c in trials.ms if not c.own), key=trials.best)
     for c in own:
         if c in trials.ms:
             continue
-        if budget.left() < trials.cost_s(c):
+        # Its step, estimated as the bar's scaled by the two layouts' probes; the room to time it again
+        # beside a close plan where it would be the faster bar.
+        probe = next(p for p in probes if p.channels_last == c.channels_last)
+        est_ms = trials.best(bar) * trials.best(probe) / trials.best(probes[0])
+        if budget.left() < trials.steps * est_ms / 1e3 + max(keep_s(), again_s(est_ms)):
             notes.append(f"stages=auto: {c.label} not timed: the budget ran out (plan_budget_s={budget.seconds:g}), "
                          f"and the plans of {counts[0]} microbatches ran faster in the other layout")
             continue
@@ -303,14 +314,17 @@ def _time_cheap_first(space: Space, trials: _Trials, budget: Budget, notes: list
     return min((c for c in own if c in trials.ms), key=trials.best), ranked
 
 
-def _retime_close(trials: _Trials, budget: Budget, ranked: list[Config], keep_s: Callable[[], float]
-                  ) -> list[Config]:
+def _retime_close(trials: _Trials, budget: Budget, ranked: list[Config], keep_s: Callable[[], float],
+                  layout: bool | None = None) -> list[Config]:
     """Runners-up timed once and close to the fastest plan get a second timing while the budget lasts.
 
     Where a trial is one step, close plans are a coin toss (cheap where trials are sampled on one microbatch).
-    A second timing costs its steps alone (the run is warm); ``keep_s()`` is the room kept for what follows.
+    A second timing costs its steps alone (the run is warm); ``keep_s()`` is the room kept for what follows;
+    ``layout``: only runners-up in that layout (channels_last or not) are timed again.
     """
     for c in ranked[1:]:
+        if layout is not None and c.channels_last != layout:
+            continue
         again_s = trials.steps * trials.best(c) * trials.measure.share(c) / 1e3
         if (len(trials.ms[c]) == 1 and trials.best(c) <= trials.best(ranked[0]) * (1 + RETIME_PLANS)
                 and budget.left() >= again_s + keep_s()):

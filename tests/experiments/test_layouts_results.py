@@ -3,7 +3,8 @@
 The JSON holds each run's profile, measured links and measured steps; the
 layout model is re-run on them here (:mod:`experiments.repredict_layouts`):
 every prediction must come out as the committed re-prediction records (the
-results page's figures are this code's), and the ResNet-18 runs, the
+results page quotes it; its older tables give the predictions recorded with
+each run, before the fit changed), and the ResNet-18 runs, the
 reproduction the results page states, must stay within the 15% goal with
 the fastest layout chosen. The other misses are recorded on docs/results.md
 (the data-parallel step on a shared 2-core host is slower than its profile).
