@@ -120,6 +120,17 @@ class _Trials:
         return list(self.ms)
 
     def time(self, c: Config, steps: int | None = None) -> float:
+        """ms per step of ``c`` (made ready first if new); a trial that raises leaves no timing behind."""
+        fresh = c not in self.ms
+        try:
+            return self._time(c, steps)
+        except BaseException:
+            if fresh:
+                self.ms.pop(c, None)
+                self.extra_s.pop(c, None)
+            raise
+
+    def _time(self, c: Config, steps: int | None) -> float:
         n = steps or self.steps
         if c not in self.ms:
             t0 = self.budget.now()

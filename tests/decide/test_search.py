@@ -129,6 +129,20 @@ def test_the_precision_hint_needs_a_measured_factor_and_never_changes_the_plan()
     assert run(space(), table | {"plain bf16 channels_last": 1.0})[0].hint == ""  # not asked: not timed
 
 
+def test_a_hint_trial_that_fails_leaves_no_hint_and_no_timing_behind():
+    # A model that cannot run in the hinted precision: no hint, and the plan table is made without that trial.
+    class Refusing(TableClock):
+        def measure(self, config, steps):
+            if config.precision is not None:
+                raise RuntimeError("bf16 is not supported by this layer")
+            return super().measure(config, steps)
+
+    clock = Refusing({"plain": 10.0, "plain channels_last": 8.0}, default=50.0)
+    d = search(space(hint="bf16"), clock, Budget(1e9, clock.time))
+    assert d.hint == "" and "plain bf16 channels_last" in clock.seen
+    assert all("bf16" not in label for label, _ in d.trials) and d.bar == "plain channels_last"
+
+
 def test_concurrent_finalists_are_timed_with_the_pieces():
     table = {"plain": 10.0, "1x2": 9.5, "2x2": 9.9, "1x1 concurrent": 8.0, "1x2 concurrent": 9.8}
     d, clock = run(space(stages=(1, 2), microbatches=(1, 2), layouts=(False,), concurrent=True), table)
