@@ -17,14 +17,19 @@ model with SGD(lr=0.01, momentum=0.9) and cross entropy on one synthetic batch:
   the whole step (update included) captured as one CUDA graph, of the eager or
   the compiled model (CUDA only; see :mod:`experiments.baselines`);
 * ``accum2``, ``accum4``: gradient accumulation over 2 or 4 equal chunks, in
-  the eager layout that was faster in a first short round;
+  the eager layout that was faster in a first short round; with
+  ``--compile-accum`` also ``compile-accum2``, ``compile-accum4``: the same
+  over ``torch.compile(model)`` (a user who stacks both levers);
 * ``pipedp``: ``pipedp.wrap(..., stages="auto", microbatches="auto",
   channels_last="auto", compile="auto")`` (with ``cuda_graph=True`` on a GPU,
   as the graphed alternatives are), which plans on its first batch: wrap
   plus that first step, less one step at the row's median (the first step
   trains like any other), is its planning time, reported apart and as a
   share of a 10-minute run. ``pipedp-threads`` (CPU, ``--threads``) adds
-  ``threads="auto"``.
+  ``threads="auto"``. pipedp runs ``kernels="torch"`` unless ``--kernel-db``
+  names a ``tune-kernels`` database: then ``kernels="auto"`` takes each tuned
+  depthwise kernel its tuning measured faster than torch (never the per-user
+  cache, which would make the figures depend on what this machine tuned before).
 
 Timing: each configuration is built and warmed up (2 steps; that time is its
 setup, reported apart), then windows of ``--steps`` steps go round robin over
@@ -202,11 +207,12 @@ def bench_group(work: Workload, batch: int, precision: str, args: argparse.Names
             return make_baseline(kind, num, model, xi, y, lr=LR), xi, None
         return make
 
-    def accumulation(chunks: int, num: Numerics) -> Make:
+    def accumulation(chunks: int, num: Numerics, compiled: bool = False) -> Make:
         def make() -> tuple[Step, torch.Tensor, None]:
             model, xi = prepare(copy.deepcopy(base), x, num)
             opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-            return accum_step(model, opt, num, chunks), xi, None
+            run = torch.compile(model) if compiled else model
+            return accum_step(run, opt, num, chunks), xi, None  # type: ignore[arg-type]
         return make
 
     def wrapped(name: str, threads: bool) -> Make:
@@ -216,7 +222,8 @@ def bench_group(work: Workload, batch: int, precision: str, args: argparse.Names
                 optimizer=torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM),
                 loss_fn=nn.CrossEntropyLoss(), precision=precision, stages="auto", microbatches="auto",
                 channels_last="auto", compile="auto" if args.compile else False, plan_budget_s=args.plan_budget,
-                devices=x.device, progress=False, cuda_graph=device.type == "cuda")
+                devices=x.device, progress=False, cuda_graph=device.type == "cuda",
+                kernels="auto" if args.kernel_db else "torch", kernel_db=args.kernel_db)
             if threads:
                 kw["threads"] = "auto"
             t0 = time.perf_counter()
@@ -244,12 +251,18 @@ def bench_group(work: Workload, batch: int, precision: str, args: argparse.Names
                 skipped[name] = why
             else:
                 setup(name, alternative(kind, layout_numerics(precision, cl)))
-    # 3. Gradient accumulation in the faster eager layout.
-    for chunks in ACCUM:
-        if accum_layout is None:
-            skipped[f"accum{chunks}"] = "no eager layout ran to choose from"
-        else:
-            setup(f"accum{chunks}", accumulation(chunks, layout_numerics(precision, LAYOUTS[accum_layout])))
+    # 3. Gradient accumulation in the faster eager layout (and over the compiled model, where asked).
+    for compiled in (False, True):
+        for chunks in ACCUM:
+            name = f"{'compile-' if compiled else ''}accum{chunks}"
+            if compiled and not args.compile_accum:
+                continue
+            if compiled and args.compile_skip:
+                skipped[name] = args.compile_skip
+            elif accum_layout is None:
+                skipped[name] = "no eager layout ran to choose from"
+            else:
+                setup(name, accumulation(chunks, layout_numerics(precision, LAYOUTS[accum_layout]), compiled))
     # 4. pipedp, planning on its first batch.
     setup("pipedp", wrapped("pipedp", threads=False))
     if not args.threads:
@@ -266,6 +279,7 @@ def bench_group(work: Workload, batch: int, precision: str, args: argparse.Names
             spent = planning[run.name] - res["rows"][run.name]["ms_per_step"] / 1e3  # the first step trained
             res["rows"][run.name].update(
                 planning_s=spent, planning_share_10min=spent / RUN_S,
+                kernel_layers=run.engine.kernel_layers,  # type: ignore[attr-defined]
                 plan=plan_fields(run.engine.plan))  # type: ignore[attr-defined]
     res.update(model=work.name, batch=batch, precision=precision, accum_layout=accum_layout,
                eager_probe_ms=probe, skipped=skipped, errors=errors)
@@ -310,6 +324,8 @@ def markdown(out: dict) -> str:
             layout = {True: "channels_last", False: "NCHW"}.get(plan.get("channels_last"), "layout ?")
             compiled = {True: "compiled", False: "eager"}.get(plan.get("compiled"), "compiled ?")
             chosen = f"{sxm}, {layout}, {compiled}"
+            if p.get("kernel_layers"):
+                chosen += f", tuned kernels on {p['kernel_layers']} depthwise layers"
         share = (p or {}).get("planning_share_10min")
         cells = [g["model"], str(g["batch"]), g["precision"], g["best_alternative"] or "-",
                  _fmt(g["best_alternative_ms"], ".1f"), _fmt((p or {}).get("ms_per_step"), ".1f"),
@@ -335,9 +351,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="time the torch.compile alternatives and let pipedp compile (default on, off with --quick; "
                         "on 2 CPU cores a compile takes minutes)")
+    p.add_argument("--compile-accum", action="store_true", help="also time gradient accumulation over the "
+                   "compiled model (compile-accum2, compile-accum4)")
     p.add_argument("--threads", action="store_true", help="also time pipedp with threads='auto' (CPU)")
     p.add_argument("--plan-budget", type=float, default=30.0, help="pipedp's plan_budget_s: seconds its planner may "
                    "spend on trials")
+    p.add_argument("--kernel-db", default=None, help="a tune-kernels database: pipedp runs kernels='auto' from it "
+                   "(default: none, kernels='torch')")
     p.add_argument("--seed", type=int, default=0, help="seed of the model and the synthetic batch")
     p.add_argument("--quick", action="store_true", help="a smoke run: resnet18 of width 8, batch 16, fp32, "
                    "2 rounds x 1 step, no compile unless --compile")
@@ -396,7 +416,8 @@ def bench(argv: Sequence[str] | None = None) -> dict:
     out: dict = {"benchmark": "bench_best", "machine": describe(device), "torch": torch.__version__,
                  "date": time.strftime("%Y-%m-%d"), "device": str(device), "rounds": args.rounds,
                  "steps_per_window": args.steps, "warmup": WARMUP, "width": args.width, "compile": args.compile,
-                 "threads": args.threads, "plan_budget_s": args.plan_budget, "seed": args.seed,
+                 "threads": args.threads, "compile_accum": args.compile_accum, "plan_budget_s": args.plan_budget, "seed": args.seed,
+                 "kernel_db": args.kernel_db,
                  "cudnn_benchmark": device.type == "cuda", "lr": LR, "momentum": MOMENTUM, "groups": []}
     for i, (work, batch, precision) in enumerate(rows, 1):
         _log(f"[{i}/{len(rows)}] {work.name}, batch {batch}, {precision} on {device}")

@@ -112,7 +112,7 @@ class _Copies:
         pairs: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         for key, t in zip(keys, live):
             dst = self.saved.get(key)
-            if dst is None or dst.shape != t.shape or dst.dtype != t.dtype or dst.device != t.device:
+            if dst is None or not _alike(dst, t):
                 self.saved[key] = dst = torch.empty_like(t, memory_format=torch.preserve_format)
             dsts, srcs = pairs.setdefault((t.device, t.dtype), ([], []))
             dsts.append(dst)

@@ -79,13 +79,15 @@ class DeviceClock:
     def warm(self, config: Config) -> float | None:
         """Make ``config``'s run and call it once (allocation, compilation, capture).
 
-        Returns that call's ms per step where it is a step like the later ones:
-        the user's own eager step on a CPU, where nothing is compiled,
-        captured or autotuned and a first call on the whole batch runs as
-        fast as the next (ResNet-18, batch 128, 2-core EPYC: within the
-        spread of later calls). Else None: a plan's first call on microbatch
-        shapes pays their setup (allocations, oneDNN primitives) at a larger
-        share (MobileNetV2, microbatches of 32: 1.6x a later call).
+        Returns that call's ms per step where it stands for a step: the
+        user's own eager step on a CPU, where nothing is compiled, captured
+        or autotuned. It is an upper bound (within the spread of later calls
+        for ResNet-18 at batch 128 on a 2-core EPYC, 1.56x for ResNet-50 in
+        bf16: the first touch of the activations' memory), which the search
+        times again wherever a plan beats it. Else None: a plan's first call
+        on microbatch shapes pays their setup (allocations, oneDNN
+        primitives) at a larger share (MobileNetV2, microbatches of 32: 1.6x
+        a later call).
         """
         t0 = time.perf_counter()
         _, undo = self._ready(config)

@@ -18,7 +18,7 @@ def quick_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench_best")
     out, md = tmp / "best.json", tmp / "best.md"
     assert main(["--device", "cpu", "--quick", "--no-compile", "--models", "resnet18@16", "--batch", "8",
-                 "--precision", "fp32,bf16", "--plan-budget", "5", "--out", str(out), "--md", str(md)]) == 0
+                 "--precision", "fp32,bf16", "--plan-budget", "5", "--compile-accum", "--out", str(out), "--md", str(md)]) == 0
     return json.loads(out.read_text()), md.read_text()
 
 
@@ -37,6 +37,7 @@ def test_every_alternative_is_timed_and_the_rest_skipped_with_a_reason(quick_run
             assert row["images_per_s"] == pytest.approx(8 * 1e3 / row["ms_per_step"])
         assert {"graph-nchw", "graph-cl", "graph+compile-nchw", "graph+compile-cl"} <= set(g["skipped"])
         assert "CUDA" in g["skipped"]["graph-cl"] and "--no-compile" in g["skipped"]["compile-nchw"]
+        assert all("--no-compile" in g["skipped"][f"compile-accum{c}"] for c in (2, 4))
         assert "--threads" in g["skipped"]["pipedp-threads"]
         assert g["accum_layout"] in ("nchw", "cl") and set(g["eager_probe_ms"]) == {"eager-nchw", "eager-cl"}
         assert not g["errors"]
@@ -74,6 +75,7 @@ def test_pipedp_row_reports_its_plan_and_planning_time(quick_run):
         assert row["kind"] == "pipedp" and row["ms_per_step"] > 0
         assert 0 < row["planning_s"] < row["setup_s"]  # setup adds the warm-up steps
         assert row["planning_share_10min"] == pytest.approx(row["planning_s"] / 600)
+        assert quick_run[0]["kernel_db"] is None and row["kernel_layers"] == 0  # no --kernel-db: torch's kernels
         plan = row["plan"]
         assert set(plan) >= {"channels_last", "compiled", "microbatches", "counts", "planning_s", "bar",
                              "trial_baseline_ms", "hint", "text"}
