@@ -121,7 +121,7 @@ def plain_step(model: nn.Module, opt: torch.optim.Optimizer, num: Numerics,
 
 
 def accum_step(model: nn.Module, opt: torch.optim.Optimizer, num: Numerics, chunks: int) -> Step:
-    """The eager step over ``chunks`` equal parts of the batch, one update: gradient accumulation.
+    """The step over ``chunks`` equal parts of the batch, one update: gradient accumulation (``model`` may be compiled).
 
     Each part's mean loss is weighted by its share of the batch, so the
     gradient is the full batch's (exactly so without BatchNorm, whose

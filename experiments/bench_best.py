@@ -77,7 +77,7 @@ PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
 LAYOUTS = {"nchw": False, "cl": True}
 DEFAULT_MODELS = "resnet18,resnet50,mobilenet_v2"
 DEFAULT_BATCHES = {"resnet18": [64, 128]}  # other models: 128
-ALTERNATIVES = ("eager", "compile", "graph", "graph+compile")  # each in both layouts; then accum2, accum4
+ALTERNATIVES = ("eager", "compile", "graph", "graph+compile")  # each in both layouts; then accum2, accum4 (and compile-accum2/4)
 ACCUM = (2, 4)
 PLAN_FIELDS = ("label", "channels_last", "compiled", "microbatches", "counts", "planning_s", "bar",
                "trial_baseline_ms", "hint")
@@ -211,7 +211,9 @@ def bench_group(work: Workload, batch: int, precision: str, args: argparse.Names
         def make() -> tuple[Step, torch.Tensor, None]:
             model, xi = prepare(copy.deepcopy(base), x, num)
             opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-            run = torch.compile(model) if compiled else model
+            # Static shapes, as a user compiling for one chunk size gets (dynamo would otherwise mark the batch
+            # dynamic: the group's compile rows already compiled this forward at the whole batch).
+            run = torch.compile(model, dynamic=False) if compiled else model
             return accum_step(run, opt, num, chunks), xi, None  # type: ignore[arg-type]
         return make
 
@@ -252,11 +254,9 @@ def bench_group(work: Workload, batch: int, precision: str, args: argparse.Names
             else:
                 setup(name, alternative(kind, layout_numerics(precision, cl)))
     # 3. Gradient accumulation in the faster eager layout (and over the compiled model, where asked).
-    for compiled in (False, True):
+    for compiled in (False, True) if args.compile_accum else (False,):
         for chunks in ACCUM:
             name = f"{'compile-' if compiled else ''}accum{chunks}"
-            if compiled and not args.compile_accum:
-                continue
             if compiled and args.compile_skip:
                 skipped[name] = args.compile_skip
             elif accum_layout is None:
@@ -352,7 +352,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="time the torch.compile alternatives and let pipedp compile (default on, off with --quick; "
                         "on 2 CPU cores a compile takes minutes)")
     p.add_argument("--compile-accum", action="store_true", help="also time gradient accumulation over the "
-                   "compiled model (compile-accum2, compile-accum4)")
+                   "compiled model (compile-accum2, compile-accum4; skipped without --compile)")
     p.add_argument("--threads", action="store_true", help="also time pipedp with threads='auto' (CPU)")
     p.add_argument("--plan-budget", type=float, default=30.0, help="pipedp's plan_budget_s: seconds its planner may "
                    "spend on trials")
@@ -416,8 +416,8 @@ def bench(argv: Sequence[str] | None = None) -> dict:
     out: dict = {"benchmark": "bench_best", "machine": describe(device), "torch": torch.__version__,
                  "date": time.strftime("%Y-%m-%d"), "device": str(device), "rounds": args.rounds,
                  "steps_per_window": args.steps, "warmup": WARMUP, "width": args.width, "compile": args.compile,
-                 "threads": args.threads, "compile_accum": args.compile_accum, "plan_budget_s": args.plan_budget, "seed": args.seed,
-                 "kernel_db": args.kernel_db,
+                 "threads": args.threads, "compile_accum": args.compile_accum, "plan_budget_s": args.plan_budget,
+                 "seed": args.seed, "kernel_db": args.kernel_db,
                  "cudnn_benchmark": device.type == "cuda", "lr": LR, "momentum": MOMENTUM, "groups": []}
     for i, (work, batch, precision) in enumerate(rows, 1):
         _log(f"[{i}/{len(rows)}] {work.name}, batch {batch}, {precision} on {device}")

@@ -107,6 +107,22 @@ def test_update_snapshot_follows_parameters_that_change_dtype_or_shape_in_place(
     assert torch.equal(model.weight, torch.zeros(5, 3, dtype=torch.float64))
 
 
+def test_update_snapshot_copies_follow_a_change_of_memory_format_then_are_reused():
+    # model.to(memory_format=channels_last) keeps the parameter objects and restrides them: the copy is made
+    # anew in the new strides once (else every later save would regroup), then reused step after step.
+    model = nn.Conv2d(3, 4, 3)
+    snap = UpdateSnapshot(torch.optim.SGD(model.parameters(), lr=0.1))
+    snap.save()
+    model.to(memory_format=torch.channels_last)
+    snap.save()
+    copy, pairs = snap.tensors.saved[0, ""], snap.tensors.pairs
+    assert copy.stride() == model.weight.stride() != torch.empty(4, 3, 3, 3).stride()
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    snap.save()
+    assert snap.tensors.pairs is pairs and snap.tensors.saved[0, ""] is copy and torch.equal(copy, model.weight)
+
+
 def test_update_snapshot_copies_state_that_can_change_in_place():
     model = nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

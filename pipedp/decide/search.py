@@ -16,8 +16,8 @@ be timed, and once it is, what is left of the budget is known rather than
 guessed; its first call is an upper bound, timed once more, warm,
 wherever a plan beats it); then each layout's plans from the most
 microbatches down while fewer pay and the budget lasts, and the other
-layout's own step while it still does. Where one step takes seconds, that lets the budget reach the
-plans and keeps the planning within it.
+layout's own step while it still does. Where one step takes seconds, that
+lets the budget reach the plans and keeps the planning within it.
 
 Planning time is part of the cost, so the search has a budget: each trial's
 steps are sized from the first step's time so that the trials fit, finalists
@@ -42,7 +42,8 @@ HINT_FACTOR = 1.10  # another precision is hinted at only when it ran at least t
 COMPILE_FINALISTS = 2  # the fastest plans also timed compiled (or with the concurrency pieces)
 MIN_STEPS, MAX_STEPS = 1, 9  # timed steps per trial, after its warm-up call (1 where steps take seconds)
 PRUNE_SLACK = 0.05  # a plan this much slower than the one with fewer microbatches ends that stage count's row
-RETIME_WITHIN = 0.10  # the fastest plan and the bar are timed again side by side only when this close
+RETIME_WITHIN = 0.10  # the fastest plan and the bar are timed again side by side only when this close (a bar
+# known only by its first call is timed again, warm, wherever a plan beats it: at once where by more than this)
 RETIME_PLANS = 0.30  # a plan timed once and this close to the fastest plan is timed again (one CPU step spreads ~20%)
 TRIAL_SHARE = 0.8  # of the budget for the planned trials; the rest is slack for finalists and noise
 
@@ -54,10 +55,10 @@ class Measure(Protocol):
     captures): the search reads that cost off its own clock before it
     decides how many steps to time. Where the first call needs no warming
     (the user's own eager step on a CPU: no compile, no capture, no
-    autotuning, shapes of the whole batch) it is a step like any other and
-    ``warm`` returns its ms, so that it counts as the trial's
-    first timed step - where a step takes seconds that halves a trial's cost;
-    elsewhere it returns None. ``measure(config, steps)`` gives ms per
+    autotuning, shapes of the whole batch) ``warm`` returns its ms, so that
+    it counts as the trial's first timed step - where a step takes seconds
+    that halves a trial's cost; it is an upper bound (first touches of
+    memory), timed again where a plan beats it; elsewhere it returns None. ``measure(config, steps)`` gives ms per
     forward+backward step over ``steps`` timed steps.
     """
 
@@ -107,7 +108,8 @@ class Budget:
 
 
 class _Trials:
-    """Every timing of the search (in the order first taken), and what each configuration's first call cost."""
+    """Every timing of the search (in the order first taken), what each configuration's first call cost, and
+    which are known only by a first call that counted as a step (``cold``: upper bounds)."""
 
     def __init__(self, measure: Measure, budget: Budget, report: Callable[[Config, float], None] | None = None,
                  ) -> None:
@@ -223,42 +225,54 @@ def search(space: Space, measure: Measure, budget: Budget, *, margin: float = MI
         bar = _time_own(space, trials, budget)
         ranked = _time_plans(space, trials, budget, bar, notes)
     bar, ranked = _time_finalists(space, trials, budget, bar, ranked, notes)
+    # A bar known only by its first call is timed warm where a plan beats it (it may then be another layout's).
+    warmed = _warm_bar(space, trials, budget, ranked, margin)
+    bar = _bar(trials)
     # Once more side by side, so that drift during the trials favours neither: the bar where it was timed
     # before the fastest plan (where no plan was timed its figure is a minimum, so timing it again alone
     # could change no choice, and costs a whole step), and both where the plan could still win: the faster
     # of two timings would favour a plan against a bar timed once. Where plans are sampled the bar is the
-    # dearest trial by far and is timed again only then (the walk kept room for that, not for more).
+    # dearest trial by far and is timed again only then, or just now, warm (the walk kept room for that).
     close = bool(ranked) and abs(trials.best(ranked[0]) / trials.best(bar) - 1) <= RETIME_WITHIN
     drifted = not cheap and bool(ranked) and trials.order.index(bar) < trials.order.index(ranked[0])
-    if close or drifted:
+    if (close or drifted) and bar not in warmed:
         trials.time(bar)
     if close:
         trials.time(ranked[0])
         ranked = sorted(ranked, key=trials.best)
-    _warm_bar(trials, ranked)
     chosen, bar = _choose(space, trials, ranked, margin, f"timed trials on {where}", notes)
     hint = _hint(space, trials, budget, replace(bar, compiled=space.compile == (True,)))
     return Decision(chosen, tuple(notes), tuple((c.label, trials.best(c)) for c in trials.order),
                     bar=bar.label, bar_ms=trials.best(bar), hint=hint)
 
 
-def _warm_bar(trials: _Trials, ranked: list[Config]) -> None:
-    """Time the bar once more, warm, where the fastest plan beats it and its only timing is a first call.
+def _bar(trials: _Trials) -> Config:
+    """The bar as the choice takes it: the fastest own step (eager or compiled) in the user's precision."""
+    return min((c for c in trials.ms if c.own and c.precision is None), key=trials.best)
+
+
+def _warm_bar(space: Space, trials: _Trials, budget: Budget, ranked: list[Config], margin: float) -> set[Config]:
+    """Own steps known only by a first call, timed again warm while the fastest plan would win against them.
 
     A first call of the user's whole step pays what later ones do not
     (first touch of its activations' memory, one-off set-up): an upper bound
     (ResNet-50, bf16, 2-core EPYC: 6.1 s against 3.9 s a step later). A plan
     judged against it looks faster than it is; a bar that wins against it
-    wins anyway. The bar is the faster own step in the user's precision, as
-    :func:`_choose` takes it, so each layout's own step may need it.
+    wins anyway, and where the plain step is no choice (fixed microbatches)
+    none is needed. Each own step so timed may become the bar (lowest first
+    call first); the first is owed, others only while the budget lasts.
+    Returns those timed.
     """
-    if not ranked:
-        return
-    for _ in range(2):
-        bar = min((c for c in trials.ms if c.own and c.precision is None), key=trials.best)
-        if bar not in trials.cold or trials.best(ranked[0]) >= trials.best(bar):
-            return
-        trials.time(bar)
+    timed: set[Config] = set()
+    if not ranked or 1 not in space.microbatches:
+        return timed
+    while trials.best(ranked[0]) <= trials.best(_bar(trials)) * (1 - margin):
+        cold = sorted((c for c in trials.cold if c.own and c.precision is None), key=trials.best)
+        if not cold or (timed and budget.left() < trials.steps * trials.best(cold[0]) / 1e3):
+            break
+        trials.time(cold[0])
+        timed.add(cold[0])
+    return timed
 
 
 def _time_own(space: Space, trials: _Trials, budget: Budget) -> Config:
@@ -309,13 +323,14 @@ def _time_cheap_first(space: Space, trials: _Trials, budget: Budget, notes: list
     own = [Config((space.blocks,), 1, cl, forced, own=True) for cl in space.layouts]
     bar = own[space.layouts.index(probes[0].channels_last)]
     trials.time(bar)
+    plain = 1 in space.microbatches  # may the plain step be the plan? (else the bar is only reported)
     # Its first call is an upper bound. Where a plan already beats it by more than RETIME_WITHIN, its warm step
     # is timed now (the walk is then judged against it); closer, the final side-by-side timing gives it one.
-    if (bar in trials.cold and trials.best(probes[0]) < trials.best(bar) * (1 - RETIME_WITHIN)
+    if (plain and bar in trials.cold and trials.best(probes[0]) < trials.best(bar) * (1 - RETIME_WITHIN)
             and budget.left() >= trials.steps * trials.best(bar) / 1e3):
         trials.time(bar)
 
-    def again_s(bar_ms: float, cold: bool = True) -> float:
+    def again_s(bar_ms: float, cold: bool) -> float:
         """Room for timing a bar of ``bar_ms`` again (beside the fastest plan while that is close).
 
         A bar timed only by its first call (``cold``) is timed again wherever a plan beats it: room is kept
@@ -328,7 +343,7 @@ def _time_cheap_first(space: Space, trials: _Trials, budget: Budget, notes: list
         return trials.steps * (bar_ms + trials.best(fastest) * trials.measure.share(fastest)) / 1e3
 
     def keep_s() -> float:
-        return again_s(trials.best(bar), bar in trials.cold)
+        return again_s(trials.best(bar), plain and bar in trials.cold)
 
     for probe in probes:
         last = trials.best(probe)
@@ -353,7 +368,8 @@ def _time_cheap_first(space: Space, trials: _Trials, budget: Budget, notes: list
         # beside a close plan where it would be the faster bar.
         probe = next(p for p in probes if p.channels_last == c.channels_last)
         est_ms = trials.best(bar) * trials.best(probe) / trials.best(probes[0])
-        if budget.left() < trials.steps * est_ms / 1e3 + max(keep_s(), again_s(est_ms)):
+        cold = plain and trials.steps == 1 and not forced  # its first call would be its only timing
+        if budget.left() < trials.steps * est_ms / 1e3 + max(keep_s(), again_s(est_ms, cold)):
             notes.append(f"stages=auto: {c.label} not timed: the budget ran out (plan_budget_s={budget.seconds:g}), "
                          f"and the plans of {counts[0]} microbatches ran faster in the other layout")
             continue
@@ -429,7 +445,7 @@ def _time_finalists(space: Space, trials: _Trials, budget: Budget, bar: Config, 
 def _choose(space: Space, trials: _Trials, ranked: list[Config], margin: float, on: str,
             notes: list[str]) -> tuple[Config, Config]:
     """The chosen configuration and the bar: a plan only if it beats the bar by ``margin``."""
-    bar = min((c for c in trials.ms if c.own and c.precision is None), key=trials.best)
+    bar = _bar(trials)
     bar_ms = trials.best(bar)
     best = ranked[0] if ranked else None
     if best is not None and trials.best(best) <= bar_ms * (1 - margin):
@@ -454,14 +470,14 @@ def _hint(space: Space, trials: _Trials, budget: Budget, eager: Config) -> str:
     if budget.left() < trials.cost_s(other):
         return ""
     try:
-        trials.time(other, 1)  # a rough factor is enough for a hint, but first calls against first calls
+        trials.time(other, 1)  # a rough factor is enough for a hint
         if other in trials.cold and eager not in trials.cold and budget.left() >= trials.best(other) / 1e3:
-            trials.time(other, 1)  # against a warm plain step, its own warm step
+            trials.time(other, 1)  # a warm plain step against a warm one (a first call is an upper bound)
     except Exception:  # noqa: BLE001 - a model that cannot run in that precision gets no hint, not an error
         return ""
-    # A first call is an upper bound: first call against first call, else the best timings.
-    factor = (trials.ms[eager][0] / trials.ms[other][0] if eager in trials.cold
-              else trials.best(eager) / trials.best(other))
+    # First call against first call where the plain step has no other timing; warm against warm, or, where
+    # the budget refused the second timing, warm against a first call: understated, never overstated.
+    factor = trials.best(eager) / trials.best(other)
     if factor < HINT_FACTOR:
         return ""
     return (f"hint: {space.hint} autocast ran the plain step {factor:.2f}x faster here; pass "

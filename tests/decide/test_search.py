@@ -130,9 +130,9 @@ def test_the_precision_hint_needs_a_measured_factor_and_never_changes_the_plan()
 
 
 def test_the_hint_weighs_first_calls_against_first_calls_and_warm_steps_against_warm_steps():
-    # MobileNetV2 fp32 on the AVX-512 EPYC: the bf16 step's first call (2223 ms) against the bar's warm step
-    # read 0.96x, and no hint, where bf16 ran it twice as fast once warm. Against a warm bar the bf16 step gets
-    # a warm timing of its own; against a bar timed only by its first call, first calls are compared.
+    # MobileNetV2 fp32 on the AVX-512 EPYC: the bf16 step's first call (2223 ms) against the bar's first call
+    # (2141 ms) read 0.96x, and no hint, where bf16 ran it twice as fast once warm. Against a warm bar the bf16
+    # step gets a warm timing of its own; against a bar timed only by its first call, first calls are compared.
     sp = space(microbatches=(1, 2, 4, 8), hint="bf16")
     table = {"plain": 4000.0, "plain channels_last": [2141.0, 1780.0], "plain bf16 channels_last": [2223.0, 890.0],
              "1x8 channels_last": 1080.0, "1x4 channels_last": 900.0, "1x2 channels_last": 870.0}
@@ -360,6 +360,28 @@ def test_a_plan_close_to_the_bar_is_timed_again_beside_it_so_two_timings_meet_tw
                report=lambda c, ms: heard.append(c.label))
     assert heard.count("plain channels_last") == 2 and heard.count("1x4 channels_last") == 2
     assert d.config == Config((4,), 1, channels_last=True) and d.bar_ms == 1800.0
+
+
+def test_a_bar_known_only_by_its_first_call_is_timed_warm_before_a_plan_wins_against_it():
+    # The early second timing of the bar does not fit (14 s steps, 30 s budget), so the walk keeps room for it
+    # and it is timed at the end: warm, the plain step beats the plan its first call lost to.
+    table = {"plain": 18000.0, "plain channels_last": [14000.0, 9000.0], "1x8": 13000.0, "1x8 channels_last": 10600.0}
+    sp = space(microbatches=(1, 2, 4, 8))
+    clock = sampled(table, default=1e5, warm_counts="own")
+    d = search(sp, clock, Budget(30.0, clock.time))
+    assert clock.seen == ["1x8", "1x8 channels_last", "plain channels_last"]
+    assert d.chosen == "1x1 channels_last" and d.bar_ms == 9000.0 and clock.calls["plain channels_last"] == 2
+    # Both own steps known by first calls: each is timed warm while the plan would win, and the other layout's
+    # warm step becomes the bar.
+    table = {"1x8": 4000.0, "1x8 channels_last": 3500.0, "plain channels_last": [4500.0, 3870.0],
+             "plain": [5000.0, 3000.0]}
+    clock = sampled(table, warm_counts="own")
+    d = search(space(microbatches=(1, 8)), clock, Budget(30.0, clock.time))
+    assert d.chosen == "1x1" and d.bar == "plain" and d.bar_ms == 3000.0
+    # Where the user fixed the microbatches the plain step is no choice: its first call is not timed again.
+    clock = sampled(table, warm_counts="own")
+    d = search(space(microbatches=(8,)), clock, Budget(30.0, clock.time))
+    assert d.chosen == "1x8 channels_last" and clock.calls["plain channels_last"] == 1
 
 
 def test_where_plans_are_sampled_a_close_runner_up_is_timed_again_before_the_other_layouts_walk():

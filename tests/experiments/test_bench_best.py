@@ -18,7 +18,8 @@ def quick_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench_best")
     out, md = tmp / "best.json", tmp / "best.md"
     assert main(["--device", "cpu", "--quick", "--no-compile", "--models", "resnet18@16", "--batch", "8",
-                 "--precision", "fp32,bf16", "--plan-budget", "5", "--compile-accum", "--out", str(out), "--md", str(md)]) == 0
+                 "--precision", "fp32,bf16", "--plan-budget", "5", "--compile-accum", "--out", str(out),
+                 "--md", str(md)]) == 0
     return json.loads(out.read_text()), md.read_text()
 
 
@@ -84,6 +85,28 @@ def test_pipedp_row_reports_its_plan_and_planning_time(quick_run):
         # The planner's own bar: the faster of the user's eager steps in the two layouts, timed beside its plans.
         assert plan["bar"] in ("plain", "plain channels_last") and plan["trial_baseline_ms"] > 0
         assert plan["channels_last"] in (True, False) and 0 < plan["planning_s"] <= row["planning_s"]
+
+
+def test_kernel_db_runs_pipedp_on_its_tuned_kernels_and_none_runs_torchs(tmp_path, monkeypatch):
+    import experiments.bench_best as bench_best
+
+    asked, wrap = [], bench_best.pipedp.wrap
+
+    def spy(model, **kw):
+        asked.append((kw["kernels"], kw["kernel_db"]))
+        return wrap(model, **kw)
+
+    monkeypatch.setattr(bench_best.pipedp, "wrap", spy)
+    db = tmp_path / "db"
+    db.mkdir()  # a database with nothing tuned: every layer stays torch's, nothing fails
+    quick = ["--device", "cpu", "--quick", "--no-compile", "--models", "mobilenet_v2@16", "--batch", "4",
+             "--plan-budget", "2", "--rounds", "1"]
+    assert main(quick + ["--kernel-db", str(db), "--out", str(tmp_path / "a.json")]) == 0
+    assert main(quick + ["--out", str(tmp_path / "b.json")]) == 0
+    assert asked == [("auto", str(db)), ("torch", None)]
+    a, b = (json.loads((tmp_path / f).read_text()) for f in ("a.json", "b.json"))
+    assert (a["kernel_db"], b["kernel_db"]) == (str(db), None)
+    assert a["groups"][0]["rows"]["pipedp"]["kernel_layers"] == 0  # nothing exported for this CPU
 
 
 def test_accumulation_over_two_chunks_is_full_batch_training():
