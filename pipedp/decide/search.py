@@ -58,8 +58,9 @@ class Measure(Protocol):
     autotuning, shapes of the whole batch) ``warm`` returns its ms, so that
     it counts as the trial's first timed step - where a step takes seconds
     that halves a trial's cost; it is an upper bound (first touches of
-    memory), timed again where a plan beats it; elsewhere it returns None. ``measure(config, steps)`` gives ms per
-    forward+backward step over ``steps`` timed steps.
+    memory), timed again where a plan beats it; elsewhere it returns None.
+    ``measure(config, steps)`` gives ms per forward+backward step over
+    ``steps`` timed steps.
     """
 
     def warm(self, config: Config) -> float | None: ...
@@ -303,13 +304,12 @@ def _time_cheap_first(space: Space, trials: _Trials, budget: Budget, notes: list
     and once more at once where a probe beats its first call by more than
     RETIME_WITHIN; the walk then fits what is left, keeping room to time the
     bar again while its only timing is a first call or a plan comes within
-    RETIME_WITHIN of it. Each layout's walk
-    goes from the most microbatches down (the faster layout first: which
-    layout is faster can change with the microbatch size) while fewer pay:
-    once a count is slower than the one above it, fewer only lose more
-    (larger microbatches fall out of cache); after each walk, close
-    runners-up timed once are timed again. The other layout's own step is
-    timed last, while the budget lasts.
+    RETIME_WITHIN of it. Each layout's walk goes from the most microbatches
+    down (the faster layout first: which layout is faster can change with
+    the microbatch size) while fewer pay: once a count is slower than the
+    one above it, fewer only lose more (larger microbatches fall out of
+    cache); after each walk, close runners-up timed once are timed again.
+    The other layout's own step is timed last, while the budget lasts.
     """
     forced = space.compile == (True,)
     counts = sorted((m for m in set(space.microbatches) if m > 1), reverse=True)
