@@ -79,7 +79,7 @@ DEFAULT_MODELS = "resnet18,resnet50,mobilenet_v2"
 DEFAULT_BATCHES = {"resnet18": [64, 128]}  # other models: 128
 ALTERNATIVES = ("eager", "compile", "graph", "graph+compile")  # each in both layouts; then accum2, accum4 (and compile-accum2/4)
 ACCUM = (2, 4)
-PLAN_FIELDS = ("label", "channels_last", "compiled", "microbatches", "counts", "planning_s", "bar",
+PLAN_FIELDS = ("label", "channels_last", "compiled", "kernels", "microbatches", "counts", "planning_s", "bar",
                "trial_baseline_ms", "hint")
 
 
@@ -153,11 +153,14 @@ def summarize(runners: list[Runner], batch: int) -> dict:
     """Medians, spreads and ratios; the best alternative (the bar) is the fastest row that is not pipedp's.
 
     A ratio is the other row's ms over this row's (images/s over images/s): above 1, this row is faster.
+    ``vs_best_paired`` is the median of that ratio per round (the two windows timed in the same round), which
+    drift of the machine over the run moves less than the ratio of the two medians.
     """
     ms = {r.name: statistics.median(r.windows_ms) for r in runners}
     alternatives = [n for n in ms if not n.startswith("pipedp")]
     best = min(alternatives, key=lambda n: ms[n]) if alternatives else None
     eager = ms.get("eager-nchw")
+    by_name = {r.name: r for r in runners}
     rows: dict[str, dict] = {}
     for r in runners:
         rows[r.name] = {
@@ -165,9 +168,16 @@ def summarize(runners: list[Runner], batch: int) -> dict:
             "ms_per_step": ms[r.name], "windows_ms": r.windows_ms, "images_per_s": batch * 1e3 / ms[r.name],
             "spread_ms": [min(r.windows_ms), max(r.windows_ms)], "setup_s": r.setup_s,
             "vs_best": ms[best] / ms[r.name] if best else None,
+            "vs_best_paired": _paired(by_name[best].windows_ms, r.windows_ms) if best else None,
             "vs_eager": eager / ms[r.name] if eager else None,
         }
     return {"rows": rows, "best_alternative": best, "best_alternative_ms": ms[best] if best else None}
+
+
+def _paired(bar_ms: list[float], row_ms: list[float]) -> float | None:
+    """Median over rounds of the bar's window over the row's window of the same round."""
+    ratios = [b / r for b, r in zip(bar_ms, row_ms)]
+    return statistics.median(ratios) if ratios else None
 
 
 def bench_group(work: Workload, batch: int, precision: str, args: argparse.Namespace, device: torch.device) -> dict:
@@ -309,10 +319,11 @@ def _fmt(v: object, spec: str, missing: str = "-") -> str:
 def markdown(out: dict) -> str:
     """One line per group: the bar (best alternative), pipedp against it, and what pipedp chose and paid for it."""
     lines = [f"Machine: {out['machine']}; torch {out['torch']}; {out['rounds']} rounds x {out['steps_per_window']} "
-             "steps, median window. Ratio = best alternative's ms / pipedp's ms (>1: pipedp is faster).", "",
-             "| model | batch | precision | best alternative | best ms | pipedp ms | pipedp vs best | pipedp plan "
-             "| planning s | planning % of 10 min | hint |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "steps, median window. Ratio = best alternative's ms / pipedp's ms (>1: pipedp is faster); paired: the "
+             "median of that ratio per round, the two windows of one round side by side.", "",
+             "| model | batch | precision | best alternative | best ms | pipedp ms | pipedp vs best | paired "
+             "| pipedp plan | planning s | planning % of 10 min | hint |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for g in out["groups"]:
         p = g["rows"].get("pipedp")
         plan = (p or {}).get("plan") or {}
@@ -329,7 +340,7 @@ def markdown(out: dict) -> str:
         share = (p or {}).get("planning_share_10min")
         cells = [g["model"], str(g["batch"]), g["precision"], g["best_alternative"] or "-",
                  _fmt(g["best_alternative_ms"], ".1f"), _fmt((p or {}).get("ms_per_step"), ".1f"),
-                 _fmt((p or {}).get("vs_best"), ".2f"), chosen, _fmt((p or {}).get("planning_s"), ".1f"),
+                 _fmt((p or {}).get("vs_best"), ".2f"), _fmt((p or {}).get("vs_best_paired"), ".2f"), chosen, _fmt((p or {}).get("planning_s"), ".1f"),
                  _fmt(share * 100 if share is not None else None, ".1f"), str(plan.get("hint") or "")]
         lines.append("| " + " | ".join(c.replace("|", "/").replace("\n", " ") for c in cells) + " |")
     return "\n".join(lines) + "\n"

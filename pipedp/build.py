@@ -33,6 +33,7 @@ from .decide.layout import Layout
 from .decide.search import Measure
 from .device import canonical_device
 from .lower import Parts, in_layout, make_executor, set_layout
+from .ops.swap import Swap
 from .options import ConcurrencyOptions, PipelineOptions, TrainingOptions
 from .partition.blocks import Block, CutError, blocks_of, check_chain
 from .partition.threads import concurrent_times
@@ -93,14 +94,17 @@ def sample_batch(model: nn.Module, sample: torch.Tensor | Sequence[int]) -> torc
 def build_pipeline(model: nn.Module, batch: torch.Tensor, options: PipelineOptions,
                    devices: Sequence[torch.device], comm: Communicator, *, step: int = 0,
                    training: TrainingOptions | None = None, measure: Measure | None = None,
-                   concurrency: ConcurrencyOptions | None = None, given: Layout | None = None) -> Pipeline:
+                   concurrency: ConcurrencyOptions | None = None, given: Layout | None = None,
+                   kernels: Swap | None = None) -> Pipeline:
     """The pipeline for ``model`` planned on ``batch`` (its first microbatch is what blocks are timed on).
 
     Planning (:func:`pipedp.decide.choose.decide`) makes every choice; this
     executes the decision: the model in the chosen layout, this rank's stages
     compiled or not, the chosen microbatches (``pipe.microbatches``).
     ``measure`` replaces the clock of ``stages="auto"``'s trials (tests);
-    ``given``: the world layout ``pp="auto"`` chose (:mod:`pipedp.world`).
+    ``given``: the world layout ``pp="auto"`` chose (:mod:`pipedp.world`);
+    ``kernels``: the depthwise layers wrap swapped onto tuned kernels, left
+    on them or put back on torch's as the decision says.
     """
     training = training if training is not None else TrainingOptions()
     # With their indices (``cuda`` is ``cuda:<current>``), as tensors report theirs: stages, lanes and the
@@ -118,7 +122,9 @@ def build_pipeline(model: nn.Module, batch: torch.Tensor, options: PipelineOptio
     warm: dict[Config, list[Stage]] = {}  # compiled stages of the deciding rank's trials, to reuse
     profiles, decision = comm.decide(
         lambda: decide(parts, model, sample, batch, devices, options, comm, training, concurrency, measure,
-                       warm=warm, given=given))
+                       warm=warm, given=given, kernels=kernels))
+    if kernels is not None:  # every rank runs the kernels the decision names (trials may have switched them)
+        kernels.use(decision.kernels)
     if training.channels_last == "auto":  # trials may have left the model in either layout
         set_layout(model, decision.channels_last)
     counts, notes = list(decision.counts), [*uncut, *decision.notes]

@@ -122,8 +122,7 @@ class Engine:
         self._timers: list[StepTimer] = []
         self._trace_path: str | None = None
         self._detach: weakref.finalize | None = None  # takes the pipeline's hooks off the model (close, or GC)
-        swap = swap_depthwise(model, kopts.mode, kopts.db, self.devices[0])
-        self.kernel_layers = swap.count
+        self._kernels = swap = swap_depthwise(model, kopts.mode, kopts.db, self.devices[0])
         if sample is not None:
             try:  # a wrap that fails leaves the user's model as it was: its depthwise layers too
                 self._build(sample_batch(model, sample))
@@ -143,6 +142,13 @@ class Engine:
             raise ValueError(f"pp='auto' chooses each layout's cut itself, so {given} cannot be honoured: leave "
                              f"stages='auto' and threads=None, or pass pp=N with your cut")
         return sample_batch(model, sample)
+
+    @property
+    def kernel_layers(self) -> int:
+        """How many depthwise layers run tuned kernels: those swapped, unless the plan chose torch's for them."""
+        if self._pipe is not None and not self._pipe.decision.kernels:
+            return 0
+        return self._kernels.count
 
     @property
     def microbatches(self) -> MicrobatchSpec:
@@ -165,7 +171,8 @@ class Engine:
     def _build(self, batch: torch.Tensor) -> Pipeline:
         pipe = self._pipe = build_pipeline(self.module, batch, self.options, self.devices, self.comm, step=self.steps,
                                            training=self.training_options, concurrency=self.concurrency_options,
-                                           given=self.world.layout if self.world is not None else None)
+                                           given=self.world.layout if self.world is not None else None,
+                                           kernels=self._kernels)
         self._plan = pipe.plan
         # Not a method of self: the finalizer must not keep the engine alive. It runs at close() or when the
         # engine is collected, so a dropped engine leaves no hooks on the user's model.

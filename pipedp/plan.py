@@ -56,6 +56,7 @@ class Plan:
     trial_chosen: str = ""  # the chosen configuration's label among the trials
     compiled: bool = False  # the stages run through torch.compile
     channels_last: bool = False  # the model and batches run in channels-last memory format
+    kernels: bool = False  # the depthwise layers run the tuned kernels of ``kernels="auto"``/``"tvm"``
     bar: str = ""  # the strongest alternative the trials measured (its label)
     planning_s: float = 0.0  # seconds the plan took: profiling, trials, compiles
     hint: str = ""  # a measured precision hint (never applied)
@@ -98,6 +99,7 @@ class Plan:
             f"pipedp plan: {len(self.stages)} stage(s) x {self.microbatches} microbatch(es) of "
             f"{self.microbatch_size}, schedule={self.schedule}, batchnorm={self.batchnorm}, costs from {self.source}"
             + (", channels_last" if self.channels_last else "") + (", compiled" if self.compiled else "")
+            + (", tuned depthwise kernels" if self.kernels else "")
         )
         rows = [("stage", "device", "stream", "blocks", "pred ms", "meas ms", "act MiB", "param MiB")]
         for s in self.stages:
@@ -128,8 +130,9 @@ class Plan:
 
     @property
     def label(self) -> str:
-        """``"SxM"`` (and ``" compiled"``, ``" concurrent"``): the name trials give this plan."""
-        levers = (" channels_last" if self.channels_last else "") + (" compiled" if self.compiled else "")
+        """``"SxM"`` (and ``" compiled"``, ``" tuned kernels"``): the name trials give this plan."""
+        levers = ((" channels_last" if self.channels_last else "") + (" compiled" if self.compiled else "")
+                  + (" tuned kernels" if self.kernels else ""))
         return self.trial_chosen or f"{len(self.stages)}x{self.microbatches}{levers}"
 
     def _trial_lines(self) -> list[str]:

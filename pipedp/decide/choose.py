@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from ..comm import Communicator
 from ..lower import Parts, measurable
+from ..ops.swap import Swap
 from ..options import ConcurrencyOptions, PipelineOptions, TrainingOptions
 from ..partition.blocks import module_mode
 from ..partition.balance import balance
@@ -95,7 +96,7 @@ def _hint_precision(training: TrainingOptions, model: nn.Module, device: torch.d
 
 def _space(parts: Parts, profiles: Sequence[BlockProfile], model: nn.Module, device: torch.device,
            choices: Sequence[int], training: TrainingOptions, concurrency: ConcurrencyOptions | None,
-           hazard: str | None) -> Space:
+           hazard: str | None, kernels: tuple[bool, ...] = (False,)) -> Space:
     costs = [p.cost_ms for p in profiles]
     pieces = concurrency is not None and (concurrency.branches or concurrency.split_grads)
     return Space(
@@ -108,6 +109,7 @@ def _space(parts: Parts, profiles: Sequence[BlockProfile], model: nn.Module, dev
         # The concurrency pieces swap layers that torch.compile does not trace: never compiled with them.
         compile=(False,) if pieces and training.compile == "auto" else allowed(training.compile),
         concurrent=pieces and device.type == "cuda",
+        kernels=kernels,
         hint=_hint_precision(training, model, device),
         compile_estimate_s=_compile_estimate_s(model, device),
     )
@@ -118,7 +120,7 @@ def decide(parts: Parts, model: nn.Module, sample: torch.Tensor, batch: torch.Te
            training: TrainingOptions, concurrency: ConcurrencyOptions | None = None,
            measure: Measure | None = None, now: Callable[[], float] = time.perf_counter,
            warm: dict[Config, list[Stage]] | None = None,
-           given: Layout | None = None) -> tuple[list[BlockProfile], Decision]:
+           given: Layout | None = None, kernels: Swap | None = None) -> tuple[list[BlockProfile], Decision]:
     """Profile the blocks and choose everything (on the deciding rank; the others follow).
 
     ``measure`` replaces the device clock of the timed trials (tests), and
@@ -126,6 +128,8 @@ def decide(parts: Parts, model: nn.Module, sample: torch.Tensor, batch: torch.Te
     receives the compiled stages the trials made, per configuration, so the
     build of a compiled plan compiles nothing again. ``given``: the layout
     ``pp="auto"`` chose for the world (its cut and microbatches are the plan's).
+    ``kernels``: the depthwise layers wrap swapped onto tuned kernels; the
+    trials choose whether the plan runs them (elsewhere it does).
     """
     budget = Budget(options.plan_budget_s, now)
     choices = microbatch_choices(options, batch.shape[0])
@@ -134,6 +138,7 @@ def decide(parts: Parts, model: nn.Module, sample: torch.Tensor, batch: torch.Te
         f"(at least {microbatch.MIN_SAMPLES} per microbatch); plan on a full batch (wrap's sample=) for "
         f"{options.microbatches}"]
     pieces = concurrency is not None and (concurrency.branches or concurrency.split_grads)
+    levers = kernels.levers if kernels is not None else (False,)
     # Trials run backward: also when the plan is made by an inference call under no_grad.
     with preserved_state(model, devices), module_mode(model, training=True), torch.enable_grad():
         blocks = measurable(parts.blocks)
@@ -163,11 +168,12 @@ def decide(parts: Parts, model: nn.Module, sample: torch.Tensor, batch: torch.Te
             profiles, decision = decide_cpu(parts, blocks, profiles, sample, batch, options, comm, training,
                                             choices, channels_last, compiled=training.compile is True)
         elif by_trials:
-            clock = measure if measure is not None else DeviceClock(model, parts, batch, devices, options, comm,
-                                                                   training, concurrency)
+            clock = measure if measure is not None else DeviceClock(
+                model, parts, batch, devices, options, comm, training, concurrency,
+                kernels=kernels.use if kernels is not None and levers != (False,) else None)
             hazard = channels_last_hazard(model, devices[0]) if training.channels_last == "auto" else None
-            decision = _timed(_space(parts, profiles, model, devices[0], choices, training, concurrency, hazard),
-                              clock, budget, options, devices[0], warm)
+            decision = _timed(_space(parts, profiles, model, devices[0], choices, training, concurrency, hazard,
+                                     levers), clock, budget, options, devices[0], warm)
             decision = replace(decision, notes=(*decision.notes, *(n for n in (hazard, _serial(devices[0])) if n)))
             if pieces and devices[0].type != "cuda":  # not timed (a CPU runs them in order): as the user asked
                 decision = replace(decision, config=replace(decision.config, concurrent=True))
@@ -175,6 +181,8 @@ def decide(parts: Parts, model: nn.Module, sample: torch.Tensor, batch: torch.Te
             decision = _predicted(profiles, options, devices, comm, training, choices, batch.shape[0])
             if pieces:
                 decision = replace(decision, config=replace(decision.config, concurrent=True))
+        if not by_trials and levers[-1]:  # untimed: the swapped layers run the kernels, as wrap asked
+            decision = replace(decision, config=replace(decision.config, kernels=True))
     return list(profiles), replace(decision, notes=(*small, *decision.notes), planning_s=budget.spent())
 
 

@@ -5,9 +5,10 @@ compiled as a whole when the configuration says so; a plan runs through the
 same executor the build makes. Both run in the configuration's memory
 layout (the model is converted in place between trials; the build puts it in
 the chosen layout afterwards), in the user's precision (the hint's trial in
-its own), and captured as a CUDA graph when the user asked for graphs. Runs
-are kept per configuration, so a configuration timed again runs warm and a
-compiled one is compiled once.
+its own), on the configuration's depthwise kernels (the own step on torch's),
+and captured as a CUDA graph when the user asked for graphs. Runs are kept
+per configuration, so a configuration timed again runs warm and a compiled
+one is compiled once.
 """
 
 from __future__ import annotations
@@ -53,8 +54,10 @@ class DeviceClock:
 
     def __init__(self, model: nn.Module, parts: Parts, batch: torch.Tensor, devices: Sequence[torch.device],
                  options: PipelineOptions, comm: Communicator, training: TrainingOptions,
-                 concurrency: ConcurrencyOptions | None = None) -> None:
+                 concurrency: ConcurrencyOptions | None = None, kernels: Callable[[bool], None] | None = None,
+                 ) -> None:
         self.model, self.parts, self.batch, self.devices = model, parts, batch.to(devices[0]), list(devices)
+        self.kernels = kernels  # puts the depthwise layers on the tuned kernels or on torch's (None: none swapped)
         self.options, self.comm, self.training, self.concurrency = options, comm, training, concurrency
         self.runs: dict[Config, Callable[[], object]] = {}
         self.stages: dict[Config, list[Stage]] = {}  # a plan's stages, compiled ones reused by the build
@@ -118,6 +121,8 @@ class DeviceClock:
         if self.layout != config.channels_last and (self.layout is not None or config.channels_last):
             set_layout(self.model, config.channels_last)
             self.layout = config.channels_last
+        if self.kernels is not None:
+            self.kernels(config.kernels)
         run = self.runs.get(config)
         if run is not None:
             return run, None

@@ -233,6 +233,7 @@ def build_plan(
         trial_chosen=decision.chosen,
         compiled=decision.compiled,
         channels_last=decision.channels_last,
+        kernels=decision.kernels,
         bar=decision.bar,
         planning_s=decision.planning_s,
         hint=decision.hint,

@@ -52,6 +52,10 @@ class Decision:
         return self.config.concurrent
 
     @property
+    def kernels(self) -> bool:
+        return self.config.kernels
+
+    @property
     def threads(self) -> tuple[int, ...] | None:
         return self.config.threads
 

@@ -19,6 +19,10 @@ microbatches down while fewer pay and the budget lasts, and the other
 layout's own step while it still does. Where one step takes seconds, that
 lets the budget reach the plans and keeps the planning within it.
 
+Tuned depthwise kernels (``kernels="auto"``) are a finalist's lever: the
+fastest eager plan is timed again on them, and they are kept only where that
+step runs faster; the user's own step always runs torch's.
+
 Planning time is part of the cost, so the search has a budget: each trial's
 steps are sized from the first step's time so that the trials fit, finalists
 are timed only while time is left, and a compile (seconds to minutes) only
@@ -80,7 +84,9 @@ class Space:
     try (1 where stages run one after another); ``microbatches``: the counts
     allowed; ``layouts``: channels_last values; ``compile``: (False,), (True,)
     or both for ``"auto"``; ``concurrent``: also time finalists with the
-    concurrency pieces; ``hint``: a precision to time for the hint, or None.
+    concurrency pieces; ``kernels``: tuned depthwise kernels off, on, or both
+    (then the plans are walked on torch's and the fastest also timed on the
+    tuned ones); ``hint``: a precision to time for the hint, or None.
     """
 
     cut: Callable[[int], tuple[int, ...]]
@@ -90,8 +96,14 @@ class Space:
     layouts: tuple[bool, ...] = (False,)
     compile: tuple[bool, ...] = (False,)
     concurrent: bool = False
+    kernels: tuple[bool, ...] = (False,)
     hint: str | None = None
     compile_estimate_s: float = 0.0  # seconds a first compile is expected to take (before one is measured)
+
+    @property
+    def walk_kernels(self) -> bool:
+        """Do the plans run the tuned kernels throughout (they must: ``kernels="tvm"``)?"""
+        return self.kernels == (True,)
 
 
 class Budget:
@@ -206,7 +218,7 @@ def _plans(space: Space, channels_last: bool, compiled: bool) -> list[Config]:
     for m in sorted(set(space.microbatches)):
         for s in sorted(set(space.stages)):
             if s <= min(m, space.blocks) and not (s == 1 and m == 1):
-                out.append(Config(space.cut(s), m, channels_last, compiled))
+                out.append(Config(space.cut(s), m, channels_last, compiled, kernels=space.walk_kernels))
     return out
 
 
@@ -226,6 +238,7 @@ def search(space: Space, measure: Measure, budget: Budget, *, margin: float = MI
         bar = _time_own(space, trials, budget)
         ranked = _time_plans(space, trials, budget, bar, notes)
     bar, ranked = _time_finalists(space, trials, budget, bar, ranked, notes)
+    ranked = _time_kernels(space, trials, budget, ranked, margin, notes)
     # A bar known only by its first call is timed warm where a plan beats it (it may then be another layout's).
     warmed = _warm_bar(space, trials, budget, ranked, margin)
     bar = _bar(trials)
@@ -292,7 +305,8 @@ def _cheap_plans(space: Space, measure: Measure) -> bool:
     """Are plan trials a fraction of a whole step (sampled on one microbatch), so that they go first?"""
     most = max(space.microbatches)
     return (space.stages == (1,) and most > 1
-            and measure.share(Config(space.cut(1), most, space.layouts[0], space.compile == (True,))) < 1)
+            and measure.share(Config(space.cut(1), most, space.layouts[0], space.compile == (True,),
+                                          kernels=space.walk_kernels)) < 1)
 
 
 def _time_cheap_first(space: Space, trials: _Trials, budget: Budget, notes: list[str],
@@ -313,7 +327,7 @@ def _time_cheap_first(space: Space, trials: _Trials, budget: Budget, notes: list
     """
     forced = space.compile == (True,)
     counts = sorted((m for m in set(space.microbatches) if m > 1), reverse=True)
-    probes = [Config(space.cut(1), counts[0], cl, forced) for cl in space.layouts]
+    probes = [Config(space.cut(1), counts[0], cl, forced, kernels=space.walk_kernels) for cl in space.layouts]
     trials.time(probes[0], 1)
     planned = len(space.layouts) * (len(counts) + 1) + (space.hint is not None)
     trials.steps = _steps_for(trials.best(probes[0]), trials.extra_s[probes[0]], planned, budget)
@@ -348,7 +362,7 @@ def _time_cheap_first(space: Space, trials: _Trials, budget: Budget, notes: list
     for probe in probes:
         last = trials.best(probe)
         for m in counts[1:]:
-            c = Config(space.cut(1), m, probe.channels_last, forced)
+            c = Config(space.cut(1), m, probe.channels_last, forced, kernels=space.walk_kernels)
             if budget.left() < trials.cost_s(c, last) + keep_s():  # at the rate of its layout's last count
                 notes.append(f"stages=auto: the budget ran out before {c.label} (plan_budget_s={budget.seconds:g})")
                 break
@@ -432,7 +446,8 @@ def _time_finalists(space: Space, trials: _Trials, budget: Budget, bar: Config, 
     if space.concurrent:
         # One stage with the fewest microbatches allowed: a count the user fixed is kept (another count trains
         # with other BatchNorm statistics).
-        one = Config(space.cut(1), min(space.microbatches), bar.channels_last, bar.compiled)
+        one = Config(space.cut(1), min(space.microbatches), bar.channels_last, bar.compiled,
+                     kernels=space.walk_kernels)
         base = list(dict.fromkeys([one, *ranked[:COMPILE_FINALISTS - 1]]))
         for c in (replace(b, concurrent=True) for b in base):
             if budget.left() < trials.cost_s(c) + trials.reserve_s():
@@ -440,6 +455,38 @@ def _time_finalists(space: Space, trials: _Trials, budget: Budget, bar: Config, 
                 break
             trials.time(c)
     return bar, sorted((c for c in trials.ms if not c.own), key=trials.best)
+
+
+def _time_kernels(space: Space, trials: _Trials, budget: Budget, ranked: list[Config], margin: float,
+                  notes: list[str]) -> list[Config]:
+    """Under ``kernels="auto"``: the fastest eager plan again on the tuned depthwise kernels (and the plain step
+    run by the engine, where that would be the plan); the plans, fastest first.
+
+    Each kernel was kept per layer because it beat torch alone, yet a step
+    can run slower with them (MobileNetV2 at microbatches of 16 on a 2-core
+    EPYC: 5%): other microbatch sizes than tuned at, a custom op's calls.
+    So they are a lever like the others, kept only where the step timed
+    with them is the faster one. Compiled plans are not tried with them (a
+    second compile of the same step).
+    """
+    if space.kernels != (False, True):
+        return ranked
+    bar = _bar(trials)
+    base = [c for c in ranked if not c.compiled][:1]
+    if (1 in space.microbatches and not bar.compiled
+            and not (ranked and trials.best(ranked[0]) <= trials.best(bar) * (1 - margin))):
+        base.append(bar.run_by_pipedp())  # no plan beats the bar: the plain step may, on the kernels
+    for b in base:
+        c = replace(b, kernels=True)
+        if budget.left() < trials.cost_s(c) + trials.reserve_s():
+            notes.append(f"kernels=auto: {c.label} not timed: the budget ran out (plan_budget_s="
+                         f"{budget.seconds:g}); torch runs the depthwise layers")
+            break
+        ms = trials.time(c)
+        torch_ms = trials.best(b) if b in trials.ms else trials.best(bar)
+        notes.append(f"kernels=auto: {b.label} ran {ms:.2f} ms per step on the tuned depthwise kernels, "
+                     f"{torch_ms:.2f} ms on torch's")
+    return sorted((c for c in trials.ms if not c.own), key=trials.best)
 
 
 def _choose(space: Space, trials: _Trials, ranked: list[Config], margin: float, on: str,
@@ -455,7 +502,7 @@ def _choose(space: Space, trials: _Trials, ranked: list[Config], margin: float, 
     if 1 in space.microbatches or best is None:
         notes.append(f"stages=auto: no plan beat the strongest alternative, {bar.label} ({bar_ms:.2f} ms), "
                      f"by {margin:.0%} in {on}: the plan is that step itself")
-        return bar.run_by_pipedp(), bar
+        return bar.run_by_pipedp(kernels=space.walk_kernels), bar
     notes.append(f"stages=auto: no plan beat the strongest alternative, {bar.label} ({bar_ms:.2f} ms), by "
                  f"{margin:.0%} in {on}; kept the fastest with the given microbatches, {best.label} "
                  f"({trials.best(best):.2f} ms): microbatches='auto' lets the plan be the plain step")

@@ -5,7 +5,9 @@ becomes :class:`TunedDepthwiseConv2d` (an ``nn.Conv2d`` whose forward calls
 ``pipedp.ops.depthwise_conv2d``). ``kernels="auto"`` swaps every depthwise
 layer and lets each call fall back to torch where no kernel was tuned for the
 layer, or where the tuned kernel measured slower than torch in the same
-layout (forward, grad-input and grad-weight are chosen separately); ``"tvm"``
+layout (forward, grad-input and grad-weight are chosen separately), and
+``stages="auto"`` keeps them only where the plan's step runs faster with
+them than on torch (:attr:`Swap.levers`); ``"tvm"``
 uses every tuned kernel and makes a missing one an error that names the
 command to run; ``"torch"`` swaps nothing. A layer's kernel serves every
 batch size (microbatches, a last partial batch), whatever size it was tuned
@@ -105,10 +107,31 @@ _ABSENT = object()
 class Swap:
     """What :func:`swap_depthwise` did: ``count`` layers run the kernels; :meth:`undo` puts every layer it
     touched back to the class and kernel choice it had before (a layer an earlier engine swapped gets that
-    engine's choice back, not plain ``nn.Conv2d``)."""
+    engine's choice back, not plain ``nn.Conv2d``).
+
+    Whether the kernels pay in a whole step is the planner's question, not
+    the swap's: a kernel that beat torch alone can still lose in a step
+    (MobileNetV2 on a 2-core EPYC), so :attr:`levers` says what a plan may
+    choose and :meth:`use` puts the swapped layers on the kernels or on torch.
+    """
 
     count: int
     _before: list[tuple[nn.Module, type, object]] = field(default_factory=list, repr=False)
+    choice: KernelChoice | None = None  # what the swapped layers run (None: nothing swapped)
+
+    @property
+    def levers(self) -> tuple[bool, ...]:
+        """Tuned kernels on or off, as a plan may choose: both under ``"auto"``, on under ``"tvm"``, else off."""
+        if self.choice is None or not self.count:
+            return (False,)
+        return (True,) if self.choice.strict else (False, True)
+
+    def use(self, on: bool) -> None:
+        """Run the swapped layers on the kernels (``on``) or on torch; nothing to do where none was swapped."""
+        if self.choice is None:
+            return
+        for m, _, _ in self._before:
+            _put(m, self.choice if on else None)
 
     def undo(self) -> None:
         """Restore the layers as they were before the swap (safe to call more than once)."""
@@ -120,15 +143,19 @@ class Swap:
                 m.kernels = kernels
 
 
+def _put(m: nn.Module, choice: KernelChoice | None) -> None:
+    if choice is None:
+        m.__class__ = nn.Conv2d
+        m.__dict__.pop("kernels", None)
+    else:
+        m.__class__ = TunedDepthwiseConv2d
+        m.kernels = choice
+
+
 def _set(layers: list[nn.Module], choice: KernelChoice | None, count: int) -> Swap:
-    swap = Swap(count, [(m, type(m), m.__dict__.get("kernels", _ABSENT)) for m in layers])
+    swap = Swap(count, [(m, type(m), m.__dict__.get("kernels", _ABSENT)) for m in layers], choice)
     for m in layers:
-        if choice is None:
-            m.__class__ = nn.Conv2d
-            m.__dict__.pop("kernels", None)
-        else:
-            m.__class__ = TunedDepthwiseConv2d
-            m.kernels = choice
+        _put(m, choice)
     return swap
 
 

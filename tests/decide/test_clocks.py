@@ -45,3 +45,19 @@ def test_trials_leave_parameters_gradients_and_layout_as_they_were():
     clock.close()
     assert max_diff(model, before) == 0 and all(p.grad is None for p in model.parameters())
     assert model[0].weight.is_contiguous()  # back in NCHW after the last trial in that layout
+
+
+def test_each_trial_runs_on_its_configurations_kernels_and_the_users_own_step_on_torchs():
+    model, x = sequential_cnn(), torch.randn(8, 3, 16, 16)
+    state, seen = {"on": None}, []
+    model[0].register_forward_pre_hook(lambda m, a: seen.append(state["on"]))
+    blocks = blocks_of(model)
+    clock = DeviceClock(model, Parts(blocks, check_chain(model, blocks, x[:2])), x, CPU, PipelineOptions(), Local(),
+                        TrainingOptions(), kernels=lambda on: state.update(on=on))
+    n = len(clock.parts.blocks)
+    for config, on in [(Config((n,), 2, kernels=True), True), (Config((n,), 1, own=True), False),
+                       (Config((n,), 2), False), (Config((n,), 2, kernels=True), True)]:
+        seen.clear()
+        clock.warm(config)
+        clock.measure(config, 1)
+        assert seen and set(seen) == {on}, config.label

@@ -238,7 +238,8 @@ def test_a_runner_up_timed_once_and_close_to_the_fastest_plan_is_timed_again():
 def sampled(table, **kw):
     """A table clock whose one-stage plans are timed on one of their microbatches (a CPU's trials)."""
     clock = TableClock(table, **kw)
-    clock.shares = {f"1x{m}{c}": 1 / m for m in (2, 4, 8) for c in ("", " channels_last")}
+    clock.shares = {f"1x{m}{c}{k}": 1 / m for m in (2, 4, 8) for c in ("", " channels_last")
+                    for k in ("", " tuned kernels")}
     return clock
 
 
@@ -413,3 +414,48 @@ def test_where_plans_are_sampled_the_budget_is_overrun_by_at_most_the_mandatory_
         search(space(microbatches=(1, 2, 4, 8)), clock, Budget(budget, clock.time))
         own_s = max(table["plain"], table["plain channels_last"]) / 1e3
         assert clock.time.t <= budget + 1.25 * own_s
+
+
+# -- tuned depthwise kernels: a lever timed on the fastest plan, kept only where the step is faster ---------------
+
+
+@pytest.mark.parametrize("tuned_ms, chosen", [(5.0, "1x2 channels_last tuned kernels"), (6.5, "1x2 channels_last")])
+def test_tuned_kernels_are_kept_only_where_the_plan_runs_faster_with_them(tuned_ms, chosen):
+    table = {"plain": 10.0, "plain channels_last": 8.0, "1x2 channels_last": 6.0, "1x4 channels_last": 7.0,
+             "1x2 channels_last tuned kernels": tuned_ms}
+    d, clock = run(space(kernels=(False, True)), table)
+    assert d.chosen == chosen and d.config.kernels == ("tuned" in chosen)
+    # The plans are walked on torch's kernels, the fastest is timed on the tuned ones; the user's own steps
+    # (the bar) always run torch's, and the plain step on the kernels is not tried where a plan beats the bar.
+    assert [s for s in clock.seen if "tuned" in s] == ["1x2 channels_last tuned kernels"]
+    assert d.bar == "plain channels_last"
+    assert any(n.startswith("kernels=auto: 1x2 channels_last ran") for n in d.notes)
+
+
+def test_where_no_plan_beats_the_bar_the_plain_step_is_tried_on_the_kernels():
+    table = {"plain": 10.0, "plain channels_last": 8.0, "1x2 channels_last": 7.9, "1x4 channels_last": 9.0,
+             "1x2 channels_last tuned kernels": 8.2, "1x1 channels_last tuned kernels": 7.0}
+    d, clock = run(space(kernels=(False, True)), table)
+    assert d.config == Config((4,), 1, channels_last=True, kernels=True) and d.bar_ms == 8.0
+    assert "1x1 channels_last tuned kernels" in clock.seen
+
+
+def test_without_tuned_kernels_no_kernel_trial_is_run():
+    d, clock = run(space(), {"plain": 10.0, "1x2": 6.0})
+    assert not any("tuned" in s for s in clock.seen) and not d.config.kernels
+
+
+def test_kernels_tvm_runs_every_plan_and_the_plain_step_on_the_kernels():
+    table = {"plain": 10.0, "plain channels_last": 8.0, "1x2 channels_last tuned kernels": 7.9}
+    d, clock = run(space(kernels=(True,)), table)
+    plans = [s for s in clock.seen if not s.startswith("plain")]
+    assert plans and all(s.endswith("tuned kernels") for s in plans)
+    assert d.config == Config((4,), 1, channels_last=True, kernels=True)  # the bar's step, on the kernels
+
+
+def test_a_sampled_walk_times_the_fastest_plan_on_the_kernels_too():
+    table = {"plain": 1000.0, "plain channels_last": 800.0, "1x8 channels_last": 500.0, "1x4 channels_last": 520.0,
+             "1x8": 900.0, "1x8 channels_last tuned kernels": 450.0}
+    clock = sampled(table, default=1000.0, warm_counts="own")
+    d = search(space(microbatches=(1, 2, 4, 8), kernels=(False, True)), clock, Budget(1e9, clock.time))
+    assert d.chosen == "1x8 channels_last tuned kernels" and d.config.kernels

@@ -56,6 +56,8 @@ def test_ratios_come_from_the_medians_and_the_bar_excludes_pipedp(quick_run):
             assert row["ms_per_step"] == pytest.approx(sum(row["windows_ms"]) / 2)
             assert row["vs_best"] == pytest.approx(rows[best]["ms_per_step"] / row["ms_per_step"])
             assert row["vs_eager"] == pytest.approx(rows["eager-nchw"]["ms_per_step"] / row["ms_per_step"])
+            paired = sorted(b / w for b, w in zip(rows[best]["windows_ms"], row["windows_ms"]))
+            assert row["vs_best_paired"] == pytest.approx(sum(paired) / 2)  # per round, then the median
         assert rows[best]["vs_best"] == 1.0 and all(r["vs_best"] <= 1.0 for r in alternatives.values())
 
 
@@ -67,6 +69,7 @@ def test_markdown_has_a_line_per_group(quick_run):
         cells = [c.strip() for c in line.strip("|").split("|")]
         assert cells[:4] == ["resnet18@16/10", "8", g["precision"], g["best_alternative"]]
         assert cells[4] == f"{g['best_alternative_ms']:.1f}"
+        assert cells[7] == f"{g['rows']['pipedp']['vs_best_paired']:.2f}"
 
 
 def test_pipedp_row_reports_its_plan_and_planning_time(quick_run):

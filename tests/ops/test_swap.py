@@ -126,7 +126,8 @@ def test_two_engines_in_one_process_each_get_their_kernels(exported, monkeypatch
     strict, auto, plain = net.build(), net.build(), net.build()
     opts = dict(microbatches=2, profile=False, progress=False, kernel_db=str(db), sample=(8, 3, 16, 16))
     a = pipedp.wrap(strict, kernels="tvm", **opts)
-    b = pipedp.wrap(auto, kernels="auto", **opts)  # built last: must not change what a runs
+    # Built last: must not change what a runs. A given cut: stages="auto" would time whether the kernels pay.
+    b = pipedp.wrap(auto, kernels="auto", stages=1, **opts)
     c = pipedp.wrap(plain, kernels="torch", **opts)
     assert a.kernel_layers == b.kernel_layers == 2 and c.kernel_layers == 0
     assert all(type(m) is nn.Conv2d for m in plain.modules() if isinstance(m, nn.Conv2d))
@@ -197,3 +198,39 @@ def test_tvm_runs_the_tuned_kernels_at_batch_sizes_never_tuned(exported, monkeyp
     opt.step()
     for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_the_levers_a_swap_leaves_to_the_plan_and_use_switches_the_layers(exported):
+    _, db = exported
+    auto, strict, plain = _net(), _net(), _net()
+    a = swap_depthwise(auto, "auto", str(db), torch.device("cpu"))
+    assert a.levers == (False, True)
+    assert swap_depthwise(strict, "tvm", str(db), torch.device("cpu")).levers == (True,)
+    assert swap_depthwise(plain, "torch", None, torch.device("cpu")).levers == (False,)
+    choice = auto[1].kernels
+    a.use(False)
+    assert type(auto[1]) is nn.Conv2d and "kernels" not in vars(auto[1])
+    a.use(True)
+    assert type(auto[1]) is TunedDepthwiseConv2d and auto[1].kernels is choice
+    a.undo()
+    assert type(auto[1]) is nn.Conv2d
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_stages_auto_keeps_the_kernels_only_where_its_trials_ran_faster(exported, faster):
+    from pipedp.build import build_pipeline
+    from pipedp.comm import Local
+    from pipedp.options import PipelineOptions, TrainingOptions
+    from tests.decide.clock_tables import TableClock
+
+    root, db = exported
+    model = _net_module(root).build()
+    swap = swap_depthwise(model, "auto", str(db), torch.device("cpu"))
+    table = {"plain": 10.0, "1x4": 7.0, "1x4 tuned kernels": 5.0 if faster else 7.5}
+    pipe = build_pipeline(model, torch.randn(8, 3, 16, 16), PipelineOptions(profile=False), [torch.device("cpu")],
+                          Local(), training=TrainingOptions(channels_last=False), measure=TableClock(table),
+                          kernels=swap)
+    assert pipe.decision.kernels == faster and pipe.plan.kernels == faster
+    want = TunedDepthwiseConv2d if faster else nn.Conv2d
+    assert [type(m) for m in model.modules() if is_depthwise(m)] == [want, want]
+    assert ("tuned depthwise kernels" in str(pipe.plan).splitlines()[0]) == faster  # the plan's head line
