@@ -174,6 +174,7 @@ def choose_world(model: nn.Module, global_batch: torch.Tensor, device: torch.dev
     from .forecast import profile_model  # here: `python -m pipedp.forecast` must not find it imported by pipedp
     profile = profile_model(copy.deepcopy(model).to(device), global_batch[: n // world].to(device), depth=depth,
                             repeats=PROFILE_REPEATS, warmup=PROFILE_WARMUP)
+    profiled = now()
     allreduce = probe_allreduce(device=device)
     peer = me ^ 1 if (me ^ 1) < world else me - 1
     p2p = probe_p2p(peer, device=device) if world % 2 == 0 else allreduce
@@ -184,6 +185,7 @@ def choose_world(model: nn.Module, global_batch: torch.Tensor, device: torch.dev
         shared = [(preds, allreduce, p2p)]
     dist.broadcast_object_list(shared, src=0)
     preds, allreduce, p2p = shared[0]  # type: ignore[misc]
+    probed = now()
     if not preds:
         raise ValueError(f"pp='auto': no layout of {world} ranks fits a global batch of {n} (each replica and "
                          f"microbatch needs at least 2 samples): pass a larger sample= batch, or pp=1")
@@ -214,4 +216,7 @@ def choose_world(model: nn.Module, global_batch: torch.Tensor, device: torch.dev
             close()
         last_s = now() - t0
     rows = tuple(WorldRow(p, measured.get(p.layout)) for p in preds)
-    return WorldChoice(choice or pick(rows), rows, allreduce, p2p, now() - start, tuple(notes))
+    end = now()
+    notes.append(f"planning {end - start:.1f} s on rank {me}: profile {profiled - start:.1f} s, link probes and "
+                 f"prediction {probed - profiled:.1f} s, {len(measured)} trial(s) {end - probed:.1f} s")
+    return WorldChoice(choice or pick(rows), rows, allreduce, p2p, end - start, tuple(notes))

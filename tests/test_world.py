@@ -102,6 +102,9 @@ def test_a_finalist_is_timed_only_if_a_trial_like_the_last_still_fits_the_budget
     a, b = multiproc.run(_choose_on_a_budget, 2, timeout_s=120)
     assert a["timed"] == b["timed"] == [a["first"]] and a["layout"] == a["first"]  # the first is always timed
     assert "would not fit" in a["notes"][0] and a["planning_s"] == 4.0
+    # Where the planning went (the fake clock moves only in the trial): all of it in the one trial.
+    assert a["notes"][-1] == ("planning 4.0 s on rank 0: profile 0.0 s, link probes and prediction 0.0 s, "
+                              "1 trial(s) 4.0 s")
 
 
 def _choose_untimed(rank: int, world: int, case: str) -> dict:

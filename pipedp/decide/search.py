@@ -44,6 +44,7 @@ __all__ = ["Space", "Measure", "Budget", "search", "allowed", "MIN_TRIAL_GAIN", 
 MIN_TRIAL_GAIN = 0.02  # a plan must beat the bar by this share (more than trial noise)
 HINT_FACTOR = 1.10  # another precision is hinted at only when it ran at least this much faster
 COMPILE_FINALISTS = 2  # the fastest plans also timed compiled (or with the concurrency pieces)
+KERNEL_FINALISTS = 2  # the fastest eager plans also timed on tuned depthwise kernels
 MIN_STEPS, MAX_STEPS = 1, 9  # timed steps per trial, after its warm-up call (1 where steps take seconds)
 PRUNE_SLACK = 0.05  # a plan this much slower than the one with fewer microbatches ends that stage count's row
 RETIME_WITHIN = 0.10  # the fastest plan and the bar are timed again side by side only when this close (a bar
@@ -459,20 +460,20 @@ def _time_finalists(space: Space, trials: _Trials, budget: Budget, bar: Config, 
 
 def _time_kernels(space: Space, trials: _Trials, budget: Budget, ranked: list[Config], margin: float,
                   notes: list[str]) -> list[Config]:
-    """Under ``kernels="auto"``: the fastest eager plan again on the tuned depthwise kernels (and the plain step
-    run by the engine, where that would be the plan); the plans, fastest first.
+    """Under ``kernels="auto"``: the fastest eager plans again on the tuned depthwise kernels (and the plain
+    step run by the engine, where that would be the plan); the plans, fastest first.
 
     Each kernel was kept per layer because it beat torch alone, yet a step
-    can run slower with them (MobileNetV2 at microbatches of 16 on a 2-core
-    EPYC: 5%): other microbatch sizes than tuned at, a custom op's calls.
-    So they are a lever like the others, kept only where the step timed
-    with them is the faster one. Compiled plans are not tried with them (a
-    second compile of the same step).
+    can run slower with them (MobileNetV2 on a 2-core EPYC, kernels tuned at
+    batch 32: slower at microbatches of 16, faster at 32). So they are a
+    lever like the others, timed on more than one microbatch size and kept
+    only where the step timed with them is the faster one. Compiled plans
+    are not tried with them (a second compile of the same step).
     """
     if space.kernels != (False, True):
         return ranked
     bar = _bar(trials)
-    base = [c for c in ranked if not c.compiled][:1]
+    base = [c for c in ranked if not c.compiled][:KERNEL_FINALISTS]
     if (1 in space.microbatches and not bar.compiled
             and not (ranked and trials.best(ranked[0]) <= trials.best(bar) * (1 - margin))):
         base.append(bar.run_by_pipedp())  # no plan beats the bar: the plain step may, on the kernels

@@ -425,9 +425,10 @@ def test_tuned_kernels_are_kept_only_where_the_plan_runs_faster_with_them(tuned_
              "1x2 channels_last tuned kernels": tuned_ms}
     d, clock = run(space(kernels=(False, True)), table)
     assert d.chosen == chosen and d.config.kernels == ("tuned" in chosen)
-    # The plans are walked on torch's kernels, the fastest is timed on the tuned ones; the user's own steps
+    # The plans are walked on torch's kernels, the two fastest are timed on the tuned ones; the user's own steps
     # (the bar) always run torch's, and the plain step on the kernels is not tried where a plan beats the bar.
-    assert [s for s in clock.seen if "tuned" in s] == ["1x2 channels_last tuned kernels"]
+    assert [s for s in clock.seen if "tuned" in s] == ["1x2 channels_last tuned kernels",
+                                                        "1x4 channels_last tuned kernels"]
     assert d.bar == "plain channels_last"
     assert any(n.startswith("kernels=auto: 1x2 channels_last ran") for n in d.notes)
 
@@ -453,9 +454,10 @@ def test_kernels_tvm_runs_every_plan_and_the_plain_step_on_the_kernels():
     assert d.config == Config((4,), 1, channels_last=True, kernels=True)  # the bar's step, on the kernels
 
 
-def test_a_sampled_walk_times_the_fastest_plan_on_the_kernels_too():
+def test_a_sampled_walk_times_the_two_fastest_plans_on_the_kernels_too():
+    # Kernels tuned at the size of 4 microbatches: slower at 8, where torch was fastest.
     table = {"plain": 1000.0, "plain channels_last": 800.0, "1x8 channels_last": 500.0, "1x4 channels_last": 520.0,
-             "1x8": 900.0, "1x8 channels_last tuned kernels": 450.0}
+             "1x8": 900.0, "1x8 channels_last tuned kernels": 560.0, "1x4 channels_last tuned kernels": 470.0}
     clock = sampled(table, default=1000.0, warm_counts="own")
     d = search(space(microbatches=(1, 2, 4, 8), kernels=(False, True)), clock, Budget(1e9, clock.time))
-    assert d.chosen == "1x8 channels_last tuned kernels" and d.config.kernels
+    assert d.chosen == "1x4 channels_last tuned kernels" and d.config.kernels
