@@ -20,8 +20,9 @@ layout's own step while it still does. Where one step takes seconds, that
 lets the budget reach the plans and keeps the planning within it.
 
 Tuned depthwise kernels (``kernels="auto"``) are a finalist's lever: the
-fastest eager plan is timed again on them, and they are kept only where that
-step runs faster; the user's own step always runs torch's.
+fastest eager plans are timed again on them, and they are kept only where
+that step runs faster (a kernel trial that fails leaves torch's); the
+user's own step always runs torch's.
 
 Planning time is part of the cost, so the search has a budget: each trial's
 steps are sized from the first step's time so that the trials fit, finalists
@@ -483,7 +484,12 @@ def _time_kernels(space: Space, trials: _Trials, budget: Budget, ranked: list[Co
             notes.append(f"kernels=auto: {c.label} not timed: the budget ran out (plan_budget_s="
                          f"{budget.seconds:g}); torch runs the depthwise layers")
             break
-        ms = trials.time(c)
+        try:
+            ms = trials.time(c)
+        except Exception as e:  # noqa: BLE001 - an optimisation that fails is dropped, never the training
+            notes.append(f"kernels=auto: {c.label} failed ({type(e).__name__}: {e}); torch runs the depthwise "
+                         f"layers")
+            break
         torch_ms = trials.best(b) if b in trials.ms else trials.best(bar)
         notes.append(f"kernels=auto: {b.label} ran {ms:.2f} ms per step on the tuned depthwise kernels, "
                      f"{torch_ms:.2f} ms on torch's")

@@ -461,3 +461,16 @@ def test_a_sampled_walk_times_the_two_fastest_plans_on_the_kernels_too():
     clock = sampled(table, default=1000.0, warm_counts="own")
     d = search(space(microbatches=(1, 2, 4, 8), kernels=(False, True)), clock, Budget(1e9, clock.time))
     assert d.chosen == "1x4 channels_last tuned kernels" and d.config.kernels
+
+
+def test_a_kernel_trial_that_fails_leaves_torchs_kernels_and_says_why():
+    class Failing(TableClock):
+        def warm(self, config):
+            if config.kernels:
+                raise RuntimeError("kernel library could not run")
+            return super().warm(config)
+
+    clock = Failing({"plain": 10.0, "1x2": 6.0, "1x4": 7.0})
+    d = search(space(layouts=(False,), kernels=(False, True)), clock, Budget(1e9, clock.time))
+    assert d.chosen == "1x2" and not d.config.kernels
+    assert any("1x2 tuned kernels failed (RuntimeError: kernel library could not run)" in n for n in d.notes)
