@@ -145,10 +145,8 @@ class Engine:
 
     @property
     def kernel_layers(self) -> int:
-        """How many depthwise layers run tuned kernels: those swapped, unless the plan chose torch's for them."""
-        if self._pipe is not None and not self._pipe.decision.kernels:
-            return 0
-        return self._kernels.count
+        """How many depthwise layers run tuned kernels now: those swapped, unless the plan chose torch's."""
+        return self._kernels.running
 
     @property
     def microbatches(self) -> MicrobatchSpec:

@@ -83,7 +83,8 @@ def _compile_estimate_s(model: nn.Module, device: torch.device) -> float:
 def _hint_precision(training: TrainingOptions, model: nn.Module, device: torch.device) -> str | None:
     """The precision worth timing for a hint: bf16 for an fp32 user where the device computes in it.
 
-    Not where depthwise layers must run tuned kernels (``kernels="tvm"``): those are tuned per precision.
+    Not where depthwise layers must run tuned kernels (``kernels="tvm"``): those are tuned per precision, so
+    the hint's advice would need kernels tuned in the other one.
     """
     if training.precision != "fp32" or any(getattr(getattr(m, "kernels", None), "strict", False)
                                            for m in model.modules()):

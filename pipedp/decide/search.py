@@ -19,10 +19,13 @@ microbatches down while fewer pay and the budget lasts, and the other
 layout's own step while it still does. Where one step takes seconds, that
 lets the budget reach the plans and keeps the planning within it.
 
-Tuned depthwise kernels (``kernels="auto"``) are a finalist's lever: the
-fastest eager plans are timed again on them, and they are kept only where
-that step runs faster (a kernel trial that fails leaves torch's); the
-user's own step always runs torch's.
+Tuned depthwise kernels are a finalist's lever under ``kernels="auto"``:
+the two fastest eager plans (and the plain step run by the engine, where no
+plan beats the bar) are timed again on them, and they are kept only where
+that step runs faster (a kernel trial that fails leaves torch's). Under
+``kernels="tvm"`` every plan runs them, the plain step on them is timed
+too, and the fastest of those is the plan. The user's own step, the bar,
+always runs torch's.
 
 Planning time is part of the cost, so the search has a budget: each trial's
 steps are sized from the first step's time so that the trials fit, finalists
@@ -240,9 +243,11 @@ def search(space: Space, measure: Measure, budget: Budget, *, margin: float = MI
         bar = _time_own(space, trials, budget)
         ranked = _time_plans(space, trials, budget, bar, notes)
     bar, ranked = _time_finalists(space, trials, budget, bar, ranked, notes)
-    ranked = _time_kernels(space, trials, budget, ranked, margin, notes)
-    # A bar known only by its first call is timed warm where a plan beats it (it may then be another layout's).
+    # A bar known only by its first call is timed warm where a plan beats it (it may then be another layout's);
+    # the kernel trials are judged against that, and a faster plan on the kernels may call for it again.
     warmed = _warm_bar(space, trials, budget, ranked, margin)
+    ranked = _time_kernels(space, trials, budget, ranked, margin, notes)
+    warmed |= _warm_bar(space, trials, budget, ranked, margin, owed=not warmed)
     bar = _bar(trials)
     # Once more side by side, so that drift during the trials favours neither: the bar where it was timed
     # before the fastest plan (where no plan was timed its figure is a minimum, so timing it again alone
@@ -267,7 +272,8 @@ def _bar(trials: _Trials) -> Config:
     return min((c for c in trials.ms if c.own and c.precision is None), key=trials.best)
 
 
-def _warm_bar(space: Space, trials: _Trials, budget: Budget, ranked: list[Config], margin: float) -> set[Config]:
+def _warm_bar(space: Space, trials: _Trials, budget: Budget, ranked: list[Config], margin: float,
+              owed: bool = True) -> set[Config]:
     """Own steps known only by a first call, timed again warm while the fastest plan would win against them.
 
     A first call of the user's whole step pays what later ones do not
@@ -276,15 +282,15 @@ def _warm_bar(space: Space, trials: _Trials, budget: Budget, ranked: list[Config
     judged against it looks faster than it is; a bar that wins against it
     wins anyway, and where the plain step is no choice (fixed microbatches)
     none is needed. Each own step so timed may become the bar (lowest first
-    call first); the first is owed, others only while the budget lasts.
-    Returns those timed.
+    call first); the first is owed (``owed``), others only while the budget
+    lasts. Returns those timed.
     """
     timed: set[Config] = set()
     if not ranked or 1 not in space.microbatches:
         return timed
     while trials.best(ranked[0]) <= trials.best(_bar(trials)) * (1 - margin):
         cold = sorted((c for c in trials.cold if c.own and c.precision is None), key=trials.best)
-        if not cold or (timed and budget.left() < trials.steps * trials.best(cold[0]) / 1e3):
+        if not cold or ((timed or not owed) and budget.left() < trials.steps * trials.best(cold[0]) / 1e3):
             break
         trials.time(cold[0])
         timed.add(cold[0])
@@ -461,39 +467,48 @@ def _time_finalists(space: Space, trials: _Trials, budget: Budget, bar: Config, 
 
 def _time_kernels(space: Space, trials: _Trials, budget: Budget, ranked: list[Config], margin: float,
                   notes: list[str]) -> list[Config]:
-    """Under ``kernels="auto"``: the fastest eager plans again on the tuned depthwise kernels (and the plain
-    step run by the engine, where that would be the plan); the plans, fastest first.
+    """The tuned depthwise kernels as a finalist's lever; the plans, fastest first.
 
+    Under ``kernels="auto"`` the fastest eager plans are timed again on them
+    (and the plain step run by the engine, where no plan beats the bar).
     Each kernel was kept per layer because it beat torch alone, yet a step
     can run slower with them (MobileNetV2 on a 2-core EPYC, kernels tuned at
     batch 32: slower at microbatches of 16, faster at 32). So they are a
     lever like the others, timed on more than one microbatch size and kept
-    only where the step timed with them is the faster one. Compiled plans
-    are not tried with them (a second compile of the same step).
+    only where the step timed with them is the faster one. Under ``"tvm"``
+    the plans ran on them throughout and only the plain step on them is
+    left to time. Compiled steps are not tried with them (a second compile).
     """
-    if space.kernels != (False, True):
+    if space.kernels == (False,):
         return ranked
-    bar = _bar(trials)
-    base = [c for c in ranked if not c.compiled][:KERNEL_FINALISTS]
+    bar, mode = _bar(trials), "tvm" if space.walk_kernels else "auto"
+    base = [] if space.walk_kernels else [c for c in ranked if not c.compiled][:KERNEL_FINALISTS]
     if (1 in space.microbatches and not bar.compiled
             and not (ranked and trials.best(ranked[0]) <= trials.best(bar) * (1 - margin))):
         base.append(bar.run_by_pipedp())  # no plan beats the bar: the plain step may, on the kernels
     for b in base:
         c = replace(b, kernels=True)
-        if budget.left() < trials.cost_s(c) + trials.reserve_s():
-            notes.append(f"kernels=auto: {c.label} not timed: the budget ran out (plan_budget_s="
-                         f"{budget.seconds:g}); torch runs the depthwise layers")
+        torch_ms = trials.best(b) if b in trials.ms else trials.best(bar)  # its step on torch's kernels
+        if budget.left() < trials.cost_s(c, torch_ms) + trials.reserve_s():
+            notes.append(f"kernels={mode}: {c.label} not timed: the budget ran "
+                         f"out (plan_budget_s={budget.seconds:g})")
             break
         try:
             ms = trials.time(c)
         except Exception as e:  # noqa: BLE001 - an optimisation that fails is dropped, never the training
-            notes.append(f"kernels=auto: {c.label} failed ({type(e).__name__}: {e}); torch runs the depthwise "
+            if not _recoverable(e):
+                raise
+            notes.append(f"kernels={mode}: {c.label} failed ({type(e).__name__}: {e}); torch runs the depthwise "
                          f"layers")
             break
-        torch_ms = trials.best(b) if b in trials.ms else trials.best(bar)
-        notes.append(f"kernels=auto: {b.label} ran {ms:.2f} ms per step on the tuned depthwise kernels, "
+        notes.append(f"kernels={mode}: {b.label} ran {ms:.2f} ms per step on the tuned depthwise kernels, "
                      f"{torch_ms:.2f} ms on torch's")
     return sorted((c for c in trials.ms if not c.own), key=trials.best)
+
+
+def _recoverable(e: Exception) -> bool:
+    """Can planning go on after ``e``? Not after a CUDA error, which stays with the device's context."""
+    return "CUDA error" not in str(e) and "illegal memory access" not in str(e)
 
 
 def _choose(space: Space, trials: _Trials, ranked: list[Config], margin: float, on: str,
@@ -505,6 +520,11 @@ def _choose(space: Space, trials: _Trials, ranked: list[Config], margin: float, 
     if best is not None and trials.best(best) <= bar_ms * (1 - margin):
         notes.append(f"stages=auto chose {best.label} by {on}: {trials.best(best):.2f} ms per step, "
                      f"{bar_ms / trials.best(best):.2f}x the strongest alternative, {bar.label} ({bar_ms:.2f} ms)")
+        return best, bar
+    if space.walk_kernels and best is not None:
+        notes.append(f"stages=auto: no plan beat the strongest alternative, {bar.label} ({bar_ms:.2f} ms), by "
+                     f"{margin:.0%} in {on}; kernels='tvm' runs every plan on the tuned kernels: kept the fastest "
+                     f"of them, {best.label} ({trials.best(best):.2f} ms)")
         return best, bar
     if 1 in space.microbatches or best is None:
         notes.append(f"stages=auto: no plan beat the strongest alternative, {bar.label} ({bar_ms:.2f} ms), "

@@ -105,19 +105,26 @@ _ABSENT = object()
 
 @dataclass
 class Swap:
-    """What :func:`swap_depthwise` did: ``count`` layers run the kernels; :meth:`undo` puts every layer it
-    touched back to the class and kernel choice it had before (a layer an earlier engine swapped gets that
-    engine's choice back, not plain ``nn.Conv2d``).
+    """What :func:`swap_depthwise` did: ``count`` layers were put on the kernels; :meth:`undo` puts every
+    layer it touched back to the class and kernel choice it had before (a layer an earlier engine swapped gets
+    that engine's choice back, not plain ``nn.Conv2d``).
 
     Whether the kernels pay in a whole step is the planner's question, not
     the swap's: a kernel that beat torch alone can still lose in a step
     (MobileNetV2 on a 2-core EPYC), so :attr:`levers` says what a plan may
-    choose and :meth:`use` puts the swapped layers on the kernels or on torch.
+    choose, :meth:`use` puts the swapped layers on the kernels or on torch,
+    and :attr:`on` says which they run now.
     """
 
     count: int
     _before: list[tuple[nn.Module, type, object]] = field(default_factory=list, repr=False)
     choice: KernelChoice | None = None  # what the swapped layers run (None: nothing swapped)
+    on: bool = False  # do the swapped layers run the kernels now (the last :meth:`use`)?
+
+    @property
+    def running(self) -> int:
+        """How many layers run the tuned kernels now."""
+        return self.count if self.on else 0
 
     @property
     def levers(self) -> tuple[bool, ...]:
@@ -132,6 +139,7 @@ class Swap:
             return
         for m, _, _ in self._before:
             _put(m, self.choice if on else None)
+        self.on = on
 
     def undo(self) -> None:
         """Restore the layers as they were before the swap (safe to call more than once)."""
@@ -141,6 +149,7 @@ class Swap:
                 m.__dict__.pop("kernels", None)
             else:
                 m.kernels = kernels
+        self.on = False
 
 
 def _put(m: nn.Module, choice: KernelChoice | None) -> None:
@@ -153,7 +162,8 @@ def _put(m: nn.Module, choice: KernelChoice | None) -> None:
 
 
 def _set(layers: list[nn.Module], choice: KernelChoice | None, count: int) -> Swap:
-    swap = Swap(count, [(m, type(m), m.__dict__.get("kernels", _ABSENT)) for m in layers], choice)
+    swap = Swap(count, [(m, type(m), m.__dict__.get("kernels", _ABSENT)) for m in layers], choice,
+                on=choice is not None and count > 0)
     for m in layers:
         _put(m, choice)
     return swap

@@ -398,20 +398,23 @@ def test_where_plans_are_sampled_a_close_runner_up_is_timed_again_before_the_oth
     assert clock.time.t <= 30.0
 
 
-def test_where_plans_are_sampled_the_budget_is_overrun_by_at_most_the_mandatory_trials_over_random_tables():
+@pytest.mark.parametrize("kernels", [(False,), (False, True)])
+def test_where_plans_are_sampled_the_budget_is_overrun_by_at_most_the_mandatory_trials_over_random_tables(kernels):
     # The probes and the bar's own step are always timed, and a close plan and the bar always get their second
-    # timing; everything else fits in what the budget has left. Over random tables (steps of 5-21 s, budgets of
-    # 15-60 s: a 2-core CPU's ResNet-50) planning ends within the budget plus about one own step.
-    rng = random.Random(3)
+    # timing; everything else fits in what the budget has left (the kernel trials too). Over random tables
+    # (steps of 5-21 s, budgets of 15-60 s: a 2-core CPU's ResNet-50) planning ends within the budget plus about
+    # one own step.
+    rng, krng = random.Random(3), random.Random(4)  # the same tables with and without kernel trials
     for _ in range(300):
         table = {}
         for cl in ("", " channels_last"):
             base = rng.uniform(5000.0, 15000.0)
             for m in (1, 2, 4, 8):
                 table[("plain" if m == 1 else f"1x{m}") + cl] = base * rng.uniform(0.6, 1.4)
+                table[f"1x{m}{cl} tuned kernels"] = base * krng.uniform(0.6, 1.4)
         budget = rng.uniform(15.0, 60.0)
         clock = sampled(table, warm_counts="own")
-        search(space(microbatches=(1, 2, 4, 8)), clock, Budget(budget, clock.time))
+        search(space(microbatches=(1, 2, 4, 8), kernels=kernels), clock, Budget(budget, clock.time))
         own_s = max(table["plain"], table["plain channels_last"]) / 1e3
         assert clock.time.t <= budget + 1.25 * own_s
 
@@ -446,12 +449,29 @@ def test_without_tuned_kernels_no_kernel_trial_is_run():
     assert not any("tuned" in s for s in clock.seen) and not d.config.kernels
 
 
-def test_kernels_tvm_runs_every_plan_and_the_plain_step_on_the_kernels():
-    table = {"plain": 10.0, "plain channels_last": 8.0, "1x2 channels_last tuned kernels": 7.9}
+@pytest.mark.parametrize("plain_ms, chosen", [(50.0, "1x2 channels_last tuned kernels"),
+                                               (7.0, "1x1 channels_last tuned kernels")])
+def test_kernels_tvm_runs_every_plan_on_the_kernels_and_keeps_the_fastest_timed(plain_ms, chosen):
+    # No plan beats the bar (torch's kernels): the plan is still on the kernels, the fastest of those timed,
+    # the plain step on them included.
+    table = {"plain": 10.0, "plain channels_last": 8.0, "1x2 channels_last tuned kernels": 7.9,
+             "1x1 channels_last tuned kernels": plain_ms}
     d, clock = run(space(kernels=(True,)), table)
     plans = [s for s in clock.seen if not s.startswith("plain")]
-    assert plans and all(s.endswith("tuned kernels") for s in plans)
-    assert d.config == Config((4,), 1, channels_last=True, kernels=True)  # the bar's step, on the kernels
+    assert plans and all(s.endswith("tuned kernels") for s in plans) and "1x1 channels_last tuned kernels" in plans
+    assert d.chosen == chosen and d.config.kernels and d.bar == "plain channels_last"
+    # Where none beats the bar by the margin, the note says why a slower plan is kept.
+    assert ("kernels='tvm' runs every plan on the tuned kernels" in d.notes[-1]) == (plain_ms == 50.0)
+
+
+def test_the_plain_step_on_the_kernels_is_judged_against_the_warm_bar():
+    # The bar's first call (1200 ms) is an upper bound that 1x8 beats; warm, the bar (800) beats every plan,
+    # so the plain step is tried on the kernels, and wins.
+    table = {"plain": 1500.0, "plain channels_last": [1200.0, 800.0], "1x8 channels_last": 900.0,
+             "1x8": 1400.0, "1x1 channels_last tuned kernels": 700.0}
+    clock = sampled(table, default=1000.0, warm_counts="own")
+    d = search(space(microbatches=(1, 2, 4, 8), kernels=(False, True)), clock, Budget(1e9, clock.time))
+    assert d.bar_ms == 800.0 and d.chosen == "1x1 channels_last tuned kernels"
 
 
 def test_a_sampled_walk_times_the_two_fastest_plans_on_the_kernels_too():

@@ -208,12 +208,13 @@ def test_the_levers_a_swap_leaves_to_the_plan_and_use_switches_the_layers(export
     assert swap_depthwise(strict, "tvm", str(db), torch.device("cpu")).levers == (True,)
     assert swap_depthwise(plain, "torch", None, torch.device("cpu")).levers == (False,)
     choice = auto[1].kernels
+    assert a.on and a.running == 1
     a.use(False)
-    assert type(auto[1]) is nn.Conv2d and "kernels" not in vars(auto[1])
+    assert type(auto[1]) is nn.Conv2d and "kernels" not in vars(auto[1]) and not a.on and a.running == 0
     a.use(True)
-    assert type(auto[1]) is TunedDepthwiseConv2d and auto[1].kernels is choice
+    assert type(auto[1]) is TunedDepthwiseConv2d and auto[1].kernels is choice and a.running == 1
     a.undo()
-    assert type(auto[1]) is nn.Conv2d
+    assert type(auto[1]) is nn.Conv2d and a.running == 0
 
 
 @pytest.mark.parametrize("faster", [True, False])
@@ -230,7 +231,50 @@ def test_stages_auto_keeps_the_kernels_only_where_its_trials_ran_faster(exported
     pipe = build_pipeline(model, torch.randn(8, 3, 16, 16), PipelineOptions(profile=False), [torch.device("cpu")],
                           Local(), training=TrainingOptions(channels_last=False), measure=TableClock(table),
                           kernels=swap)
-    assert pipe.decision.kernels == faster and pipe.plan.kernels == faster
+    assert pipe.decision.kernels == faster and pipe.plan.kernels == faster and swap.on == faster
     want = TunedDepthwiseConv2d if faster else nn.Conv2d
     assert [type(m) for m in model.modules() if is_depthwise(m)] == [want, want]
     assert ("tuned depthwise kernels" in str(pipe.plan).splitlines()[0]) == faster  # the plan's head line
+
+
+def test_the_device_clock_switches_the_layers_and_the_build_leaves_them_as_decided(exported, monkeypatch):
+    # The real clock: the user's own step runs torch's convolution, a kernel trial the tuned op; whatever the
+    # trials on this machine decide, the model's layers and the engine's count follow the decision.
+    from pipedp.ops import depthwise as D
+
+    root, db = exported
+    model = _net_module(root).build()
+    tuned_calls = []
+    real = D._Eager.apply
+    monkeypatch.setattr(D._Eager, "apply", lambda *a: (tuned_calls.append(1), real(*a))[1])
+    engine = pipedp.wrap(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                         loss_fn=nn.CrossEntropyLoss(), kernels="auto", kernel_db=str(db), progress=False,
+                         sample=(8, 3, 16, 16))
+    assert any("tuned kernels" in label for label, _ in engine.plan.trials) and tuned_calls  # a kernel trial ran
+    on = engine.plan.kernels
+    want = TunedDepthwiseConv2d if on else nn.Conv2d
+    assert [type(m) for m in model.modules() if is_depthwise(m)] == [want, want]
+    assert engine.kernel_layers == (2 if on else 0)
+
+
+def test_a_failed_planning_leaves_the_layers_on_the_kernels_wrap_put_them_on(exported):
+    from pipedp.build import build_pipeline
+    from pipedp.comm import Local
+    from pipedp.options import PipelineOptions, TrainingOptions
+    from tests.decide.clock_tables import TableClock
+
+    class FailsOnKernels(TableClock):
+        def measure(self, config, steps):
+            if config.kernels:
+                swap.use(False)  # as the device clock leaves them mid-trial
+                raise KeyboardInterrupt
+            return super().measure(config, steps)
+
+    root, db = exported
+    model = _net_module(root).build()
+    swap = swap_depthwise(model, "auto", str(db), torch.device("cpu"))
+    clock = FailsOnKernels({"plain": 10.0, "1x4": 7.0})
+    with pytest.raises(KeyboardInterrupt):
+        build_pipeline(model, torch.randn(8, 3, 16, 16), PipelineOptions(profile=False), [torch.device("cpu")],
+                       Local(), training=TrainingOptions(channels_last=False), measure=clock, kernels=swap)
+    assert swap.on and all(type(m) is TunedDepthwiseConv2d for m in model.modules() if is_depthwise(m))
