@@ -490,19 +490,19 @@ def _time_kernels(space: Space, trials: _Trials, budget: Budget, ranked: list[Co
         c = replace(b, kernels=True)
         torch_ms = trials.best(b) if b in trials.ms else trials.best(bar)  # its step on torch's kernels
         if budget.left() < trials.cost_s(c, torch_ms) + trials.reserve_s():
-            notes.append(f"kernels={mode}: {c.label} not timed: the budget ran "
-                         f"out (plan_budget_s={budget.seconds:g})")
+            notes.append(f"kernels={mode}: {c.label} not timed: the budget ran out (plan_budget_s="
+                         f"{budget.seconds:g})")
             break
         try:
-            ms = trials.time(c)
+            trials.time(c)
         except Exception as e:  # noqa: BLE001 - an optimisation that fails is dropped, never the training
             if not _recoverable(e):
                 raise
-            notes.append(f"kernels={mode}: {c.label} failed ({type(e).__name__}: {e}); torch runs the depthwise "
-                         f"layers")
+            notes.append(f"kernels={mode}: {c.label} failed ({type(e).__name__}: {e})"
+                         + ("; torch runs the depthwise layers" if mode == "auto" else ""))
             break
-        notes.append(f"kernels={mode}: {b.label} ran {ms:.2f} ms per step on the tuned depthwise kernels, "
-                     f"{torch_ms:.2f} ms on torch's")
+        notes.append(f"kernels={mode}: {b.label} ran {trials.best(c):.2f} ms per step on the tuned depthwise "
+                     f"kernels, {torch_ms:.2f} ms on torch's")
     return sorted((c for c in trials.ms if not c.own), key=trials.best)
 
 
