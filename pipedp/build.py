@@ -120,13 +120,14 @@ def build_pipeline(model: nn.Module, batch: torch.Tensor, options: PipelineOptio
     parts, uncut = _parts(model, sample, options, comm)
     # Every rank must run the same plan: the first rank decides, the others follow.
     warm: dict[Config, list[Stage]] = {}  # compiled stages of the deciding rank's trials, to reuse
+    was = kernels.on if kernels is not None else False
     try:
         profiles, decision = comm.decide(
             lambda: decide(parts, model, sample, batch, devices, options, comm, training, concurrency, measure,
                            warm=warm, given=given, kernels=kernels))
     except BaseException:
         if kernels is not None:  # trials may have switched them: as wrap left them
-            kernels.use(kernels.levers[-1])
+            kernels.use(was)
         raise
     if kernels is not None:  # every rank runs the kernels the decision names (trials may have switched them)
         kernels.use(decision.kernels)

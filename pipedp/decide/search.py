@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable, Protocol
 
+from ..ops.worker import breaks_process
 from .config import Config
 from .decision import Decision
 
@@ -89,9 +90,10 @@ class Space:
     try (1 where stages run one after another); ``microbatches``: the counts
     allowed; ``layouts``: channels_last values; ``compile``: (False,), (True,)
     or both for ``"auto"``; ``concurrent``: also time finalists with the
-    concurrency pieces; ``kernels``: tuned depthwise kernels off, on, or both
-    (then the plans are walked on torch's and the fastest also timed on the
-    tuned ones); ``hint``: a precision to time for the hint, or None.
+    concurrency pieces; ``kernels``: tuned depthwise kernels off, on (every
+    plan runs them), or both (the plans are walked on torch's, and the two
+    fastest, and the plain step where no plan beats the bar, are timed on
+    them too); ``hint``: a precision to time for the hint, or None.
     """
 
     cut: Callable[[int], tuple[int, ...]]
@@ -245,15 +247,18 @@ def search(space: Space, measure: Measure, budget: Budget, *, margin: float = MI
     bar, ranked = _time_finalists(space, trials, budget, bar, ranked, notes)
     # A bar known only by its first call is timed warm where a plan beats it (it may then be another layout's);
     # the kernel trials are judged against that, and a faster plan on the kernels may call for it again.
-    warmed = _warm_bar(space, trials, budget, ranked, margin)
+    early = _warm_bar(space, trials, budget, ranked, margin)
+    before = len(trials.order)
     ranked = _time_kernels(space, trials, budget, ranked, margin, notes)
-    warmed |= _warm_bar(space, trials, budget, ranked, margin, owed=not warmed)
+    late = _warm_bar(space, trials, budget, ranked, margin, owed=not early)
+    warmed = late if len(trials.order) > before else early | late  # timed just before the final re-timing
     bar = _bar(trials)
     # Once more side by side, so that drift during the trials favours neither: the bar where it was timed
     # before the fastest plan (where no plan was timed its figure is a minimum, so timing it again alone
     # could change no choice, and costs a whole step), and both where the plan could still win: the faster
     # of two timings would favour a plan against a bar timed once. Where plans are sampled the bar is the
-    # dearest trial by far and is timed again only then, or just now, warm (the walk kept room for that).
+    # dearest trial by far and is timed again only then, or just now, warm, with no trial since (the walk kept
+    # room for that).
     close = bool(ranked) and abs(trials.best(ranked[0]) / trials.best(bar) - 1) <= RETIME_WITHIN
     drifted = not cheap and bool(ranked) and trials.order.index(bar) < trials.order.index(ranked[0])
     if (close or drifted) and bar not in warmed:
@@ -470,22 +475,23 @@ def _time_kernels(space: Space, trials: _Trials, budget: Budget, ranked: list[Co
     """The tuned depthwise kernels as a finalist's lever; the plans, fastest first.
 
     Under ``kernels="auto"`` the fastest eager plans are timed again on them
-    (and the plain step run by the engine, where no plan beats the bar).
+    (and the plain step run by the engine, where no plan beats the bar);
+    under ``"tvm"`` the plans ran on them throughout, and the plain step is
+    timed on them too.
     Each kernel was kept per layer because it beat torch alone, yet a step
     can run slower with them (MobileNetV2 on a 2-core EPYC, kernels tuned at
     batch 32: slower at microbatches of 16, faster at 32). So they are a
     lever like the others, timed on more than one microbatch size and kept
-    only where the step timed with them is the faster one. Under ``"tvm"``
-    the plans ran on them throughout and only the plain step on them is
-    left to time. Compiled steps are not tried with them (a second compile).
+    only where the step timed with them is the faster one. Compiled steps
+    are not tried with them (a second compile).
     """
     if space.kernels == (False,):
         return ranked
     bar, mode = _bar(trials), "tvm" if space.walk_kernels else "auto"
     base = [] if space.walk_kernels else [c for c in ranked if not c.compiled][:KERNEL_FINALISTS]
-    if (1 in space.microbatches and not bar.compiled
-            and not (ranked and trials.best(ranked[0]) <= trials.best(bar) * (1 - margin))):
-        base.append(bar.run_by_pipedp())  # no plan beats the bar: the plain step may, on the kernels
+    beaten = bool(ranked) and trials.best(ranked[0]) <= trials.best(bar) * (1 - margin)
+    if 1 in space.microbatches and not bar.compiled and (space.walk_kernels or not beaten):
+        base.append(bar.run_by_pipedp())  # the plain step may win on the kernels
     for b in base:
         c = replace(b, kernels=True)
         torch_ms = trials.best(b) if b in trials.ms else trials.best(bar)  # its step on torch's kernels
@@ -496,7 +502,7 @@ def _time_kernels(space: Space, trials: _Trials, budget: Budget, ranked: list[Co
         try:
             trials.time(c)
         except Exception as e:  # noqa: BLE001 - an optimisation that fails is dropped, never the training
-            if not _recoverable(e):
+            if breaks_process(e):  # a CUDA error stays with the device's context: nothing more can run
                 raise
             notes.append(f"kernels={mode}: {c.label} failed ({type(e).__name__}: {e})"
                          + ("; torch runs the depthwise layers" if mode == "auto" else ""))
@@ -504,11 +510,6 @@ def _time_kernels(space: Space, trials: _Trials, budget: Budget, ranked: list[Co
         notes.append(f"kernels={mode}: {b.label} ran {trials.best(c):.2f} ms per step on the tuned depthwise "
                      f"kernels, {torch_ms:.2f} ms on torch's")
     return sorted((c for c in trials.ms if not c.own), key=trials.best)
-
-
-def _recoverable(e: Exception) -> bool:
-    """Can planning go on after ``e``? Not after a CUDA error, which stays with the device's context."""
-    return "CUDA error" not in str(e) and "illegal memory access" not in str(e)
 
 
 def _choose(space: Space, trials: _Trials, ranked: list[Config], margin: float, on: str,
@@ -521,7 +522,8 @@ def _choose(space: Space, trials: _Trials, ranked: list[Config], margin: float, 
         notes.append(f"stages=auto chose {best.label} by {on}: {trials.best(best):.2f} ms per step, "
                      f"{bar_ms / trials.best(best):.2f}x the strongest alternative, {bar.label} ({bar_ms:.2f} ms)")
         return best, bar
-    if space.walk_kernels and best is not None:
+    plain_on_kernels = bar.run_by_pipedp(kernels=True)
+    if space.walk_kernels and best is not None and (plain_on_kernels in trials.ms or 1 not in space.microbatches):
         notes.append(f"stages=auto: no plan beat the strongest alternative, {bar.label} ({bar_ms:.2f} ms), by "
                      f"{margin:.0%} in {on}; kernels='tvm' runs every plan on the tuned kernels: kept the fastest "
                      f"of them, {best.label} ({trials.best(best):.2f} ms)")
