@@ -340,7 +340,8 @@ def markdown(out: dict) -> str:
         share = (p or {}).get("planning_share_10min")
         cells = [g["model"], str(g["batch"]), g["precision"], g["best_alternative"] or "-",
                  _fmt(g["best_alternative_ms"], ".1f"), _fmt((p or {}).get("ms_per_step"), ".1f"),
-                 _fmt((p or {}).get("vs_best"), ".2f"), _fmt((p or {}).get("vs_best_paired"), ".2f"), chosen, _fmt((p or {}).get("planning_s"), ".1f"),
+                 _fmt((p or {}).get("vs_best"), ".2f"), _fmt((p or {}).get("vs_best_paired"), ".2f"), chosen,
+                 _fmt((p or {}).get("planning_s"), ".1f"),
                  _fmt(share * 100 if share is not None else None, ".1f"), str(plan.get("hint") or "")]
         lines.append("| " + " | ".join(c.replace("|", "/").replace("\n", " ") for c in cells) + " |")
     return "\n".join(lines) + "\n"

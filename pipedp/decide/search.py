@@ -112,6 +112,10 @@ class Space:
         """Do the plans run the tuned kernels throughout (they must: ``kernels="tvm"``)?"""
         return self.kernels == (True,)
 
+    def plan(self, stages: int, microbatches: int, channels_last: bool, compiled: bool) -> Config:
+        """pipedp's plan of ``stages`` balanced stages, on the kernels every plan walked here runs."""
+        return Config(self.cut(stages), microbatches, channels_last, compiled, kernels=self.walk_kernels)
+
 
 class Budget:
     """Seconds of planning left, on a clock tests may replace."""
@@ -225,7 +229,7 @@ def _plans(space: Space, channels_last: bool, compiled: bool) -> list[Config]:
     for m in sorted(set(space.microbatches)):
         for s in sorted(set(space.stages)):
             if s <= min(m, space.blocks) and not (s == 1 and m == 1):
-                out.append(Config(space.cut(s), m, channels_last, compiled, kernels=space.walk_kernels))
+                out.append(space.plan(s, m, channels_last, compiled))
     return out
 
 
@@ -318,8 +322,7 @@ def _cheap_plans(space: Space, measure: Measure) -> bool:
     """Are plan trials a fraction of a whole step (sampled on one microbatch), so that they go first?"""
     most = max(space.microbatches)
     return (space.stages == (1,) and most > 1
-            and measure.share(Config(space.cut(1), most, space.layouts[0], space.compile == (True,),
-                                          kernels=space.walk_kernels)) < 1)
+            and measure.share(space.plan(1, most, space.layouts[0], space.compile == (True,))) < 1)
 
 
 def _time_cheap_first(space: Space, trials: _Trials, budget: Budget, notes: list[str],
@@ -340,7 +343,7 @@ def _time_cheap_first(space: Space, trials: _Trials, budget: Budget, notes: list
     """
     forced = space.compile == (True,)
     counts = sorted((m for m in set(space.microbatches) if m > 1), reverse=True)
-    probes = [Config(space.cut(1), counts[0], cl, forced, kernels=space.walk_kernels) for cl in space.layouts]
+    probes = [space.plan(1, counts[0], cl, forced) for cl in space.layouts]
     trials.time(probes[0], 1)
     planned = len(space.layouts) * (len(counts) + 1) + (space.hint is not None)
     trials.steps = _steps_for(trials.best(probes[0]), trials.extra_s[probes[0]], planned, budget)
@@ -375,7 +378,7 @@ def _time_cheap_first(space: Space, trials: _Trials, budget: Budget, notes: list
     for probe in probes:
         last = trials.best(probe)
         for m in counts[1:]:
-            c = Config(space.cut(1), m, probe.channels_last, forced, kernels=space.walk_kernels)
+            c = space.plan(1, m, probe.channels_last, forced)
             if budget.left() < trials.cost_s(c, last) + keep_s():  # at the rate of its layout's last count
                 notes.append(f"stages=auto: the budget ran out before {c.label} (plan_budget_s={budget.seconds:g})")
                 break
@@ -459,8 +462,7 @@ def _time_finalists(space: Space, trials: _Trials, budget: Budget, bar: Config, 
     if space.concurrent:
         # One stage with the fewest microbatches allowed: a count the user fixed is kept (another count trains
         # with other BatchNorm statistics).
-        one = Config(space.cut(1), min(space.microbatches), bar.channels_last, bar.compiled,
-                     kernels=space.walk_kernels)
+        one = space.plan(1, min(space.microbatches), bar.channels_last, bar.compiled)
         base = list(dict.fromkeys([one, *ranked[:COMPILE_FINALISTS - 1]]))
         for c in (replace(b, concurrent=True) for b in base):
             if budget.left() < trials.cost_s(c) + trials.reserve_s():

@@ -483,14 +483,21 @@ def test_a_sampled_walk_times_the_two_fastest_plans_on_the_kernels_too():
     assert d.chosen == "1x4 channels_last tuned kernels" and d.config.kernels
 
 
-def test_a_kernel_trial_that_fails_leaves_torchs_kernels_and_says_why():
-    class Failing(TableClock):
-        def warm(self, config):
-            if config.kernels:
-                raise RuntimeError("kernel library could not run")
-            return super().warm(config)
+class KernelsFail(TableClock):
+    """A table clock whose trials on the tuned kernels raise ``RuntimeError(message)``."""
 
-    clock = Failing({"plain": 10.0, "1x2": 6.0, "1x4": 7.0})
+    def __init__(self, table, message):
+        super().__init__(table)
+        self.message = message
+
+    def warm(self, config):
+        if config.kernels:
+            raise RuntimeError(self.message)
+        return super().warm(config)
+
+
+def test_a_kernel_trial_that_fails_leaves_torchs_kernels_and_says_why():
+    clock = KernelsFail({"plain": 10.0, "1x2": 6.0, "1x4": 7.0}, "kernel library could not run")
     d = search(space(layouts=(False,), kernels=(False, True)), clock, Budget(1e9, clock.time))
     assert d.chosen == "1x2" and not d.config.kernels
     assert any("1x2 tuned kernels failed (RuntimeError: kernel library could not run)" in n for n in d.notes)
@@ -513,12 +520,6 @@ def test_kernels_tvm_with_a_compiled_bar_keeps_the_plain_step_where_no_plan_beat
 
 
 def test_a_cuda_error_in_a_kernel_trial_stops_the_planning():
-    class Broken(TableClock):
-        def warm(self, config):
-            if config.kernels:
-                raise RuntimeError("CUDA error: an illegal memory access was encountered")
-            return super().warm(config)
-
-    clock = Broken({"plain": 10.0, "1x2": 6.0, "1x4": 7.0})
+    clock = KernelsFail({"plain": 10.0, "1x2": 6.0, "1x4": 7.0}, "CUDA error: an illegal memory access was encountered")
     with pytest.raises(RuntimeError, match="illegal memory access"):
         search(space(layouts=(False,), kernels=(False, True)), clock, Budget(1e9, clock.time))
