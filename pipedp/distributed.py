@@ -14,7 +14,7 @@ import datetime
 import pickle
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,7 @@ from .checks import positive_int, positive_number
 
 __all__ = [
     "Layout", "resolve_layout", "check_backend", "missing_ranks", "missing_note", "DistributedError",
-    "DEFAULT_TIMEOUT_S", "timed", "gather_objects", "broadcast_object", "broadcast_tensors", "barrier", "all_reduce",
+    "DEFAULT_TIMEOUT_S", "timed", "let_go", "gather_objects", "broadcast_object", "broadcast_tensors", "barrier", "all_reduce",
 ]
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -197,12 +197,53 @@ def missing_note(event: int | str, world: int, during: str | None = None) -> str
 # DistributedError (the caller adds what was being done and who is gone).
 
 
-def timed(issue: Callable[[], Any], timeout: datetime.timedelta) -> None:
-    """Issue one asynchronous collective (``issue()`` returns its work) and wait for it at most ``timeout``."""
+LET_GO_S = 1.0  # the most a caller waits for gloo's thread to drop a finished collective's tensors
+
+
+def timed(issue: Callable[[], Any], timeout: datetime.timedelta, lent: Sequence[torch.Tensor]) -> None:
+    """Issue one asynchronous collective (``issue()`` returns its work) and wait for it at most ``timeout``.
+
+    ``lent`` are the tensors the collective was given. On CUDA the wait is
+    device-side (the current stream waits; NCCL takes no host timeout). On the
+    host it returns only once gloo's thread has let go of them (:func:`let_go`).
+    """
+    host = [t for t in lent if not t.is_cuda]
+    before = _use_counts(host)
     try:
-        issue().wait(timeout)
+        work = issue()
+        if len(host) < len(lent):
+            work.wait()
+        else:
+            work.wait(timeout)
     except RuntimeError as e:
         raise DistributedError(f"a collective failed or ran past {timeout.total_seconds():g} s: {e}") from e
+    del work  # the caller's last reference to the work: gloo's thread may still hold one
+    let_go(host, before)
+
+
+def _use_counts(tensors: Sequence[torch.Tensor]) -> list[int]:
+    count = getattr(torch.Tensor, "_use_count", None)  # a private accessor: without it, nothing is waited for
+    return [count(t) for t in tensors] if count is not None else []
+
+
+def let_go(tensors: Sequence[torch.Tensor], before: Sequence[int], limit_s: float = LET_GO_S) -> None:
+    """Wait until nothing but the caller references ``tensors`` again (their counts are back to ``before``).
+
+    Why: gloo runs a collective on a thread of its own, which wakes the waiter
+    first and drops its reference to the work after. Where that is the last
+    reference to a tensor whose Python object is already gone (a temporary of a
+    helper that has returned), that thread must take the GIL to free it; if the
+    interpreter is exiting by then, the thread cannot, and the process aborts
+    ("terminate called without an active exception"). Waiting here, with the
+    tensors still held, makes the caller's reference the last, freed on its own
+    thread. The wait is a few microseconds; past ``limit_s`` it gives up.
+    """
+    if not before:
+        return
+    count = torch.Tensor._use_count  # type: ignore[attr-defined]
+    deadline = time.monotonic() + limit_s
+    while any(count(t) > n for t, n in zip(tensors, before)) and time.monotonic() < deadline:
+        time.sleep(0)  # yield the GIL and the core to gloo's thread
 
 
 def _wire(group: Any) -> torch.device:
@@ -228,12 +269,12 @@ def gather_objects(obj: Any, group: Any, timeout: datetime.timedelta) -> list[An
     mine = _encode(obj, dev)
     sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(n)]
     size = torch.tensor([mine.numel()], dtype=torch.int64, device=dev)
-    timed(lambda: dist.all_gather(sizes, size, group=group, async_op=True), timeout)
+    timed(lambda: dist.all_gather(sizes, size, group=group, async_op=True), timeout, [*sizes, size])
     lengths = [int(s.item()) for s in sizes]
     padded = torch.zeros(max(lengths), dtype=torch.uint8, device=dev)
     padded[: mine.numel()] = mine
     parts = [torch.empty_like(padded) for _ in range(n)]
-    timed(lambda: dist.all_gather(parts, padded, group=group, async_op=True), timeout)
+    timed(lambda: dist.all_gather(parts, padded, group=group, async_op=True), timeout, [*parts, padded])
     return [_decode(p, k) for p, k in zip(parts, lengths)]
 
 
@@ -243,9 +284,9 @@ def broadcast_object(obj: Any, src: int, group: Any, timeout: datetime.timedelta
     sender = dist.get_rank() == src
     payload = _encode(obj, dev) if sender else None
     size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64, device=dev)
-    timed(lambda: dist.broadcast(size, src=src, group=group, async_op=True), timeout)
+    timed(lambda: dist.broadcast(size, src=src, group=group, async_op=True), timeout, [size])
     buf = payload if payload is not None else torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
-    timed(lambda: dist.broadcast(buf, src=src, group=group, async_op=True), timeout)
+    timed(lambda: dist.broadcast(buf, src=src, group=group, async_op=True), timeout, [buf])
     return obj if sender else _decode(buf, buf.numel())
 
 
@@ -279,7 +320,7 @@ def broadcast_tensors(tensors: list[torch.Tensor], src: int, group: Any, timeout
         for part in _chunks(ts, BROADCAST_CHUNK_BYTES):
             flat = torch.cat([t.detach().reshape(-1) for t in part]).to(dev)
             wire = flat.view(torch.uint8) if flat.dtype == torch.bool else flat  # gloo moves no bools
-            timed(lambda: dist.broadcast(wire, src=src, group=group, async_op=True), timeout)
+            timed(lambda: dist.broadcast(wire, src=src, group=group, async_op=True), timeout, [wire])
             off = 0
             with torch.no_grad():
                 for t in part:
@@ -290,7 +331,7 @@ def broadcast_tensors(tensors: list[torch.Tensor], src: int, group: Any, timeout
 def barrier(group: Any, timeout: datetime.timedelta) -> None:
     """Wait until every member of ``group`` got here (at most ``timeout``)."""
     token = torch.zeros(1, device=_wire(group))
-    timed(lambda: dist.all_reduce(token, group=group, async_op=True), timeout)
+    timed(lambda: dist.all_reduce(token, group=group, async_op=True), timeout, [token])
 
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX} if dist.is_available() else {}
@@ -307,13 +348,6 @@ def all_reduce(tensor: torch.Tensor, op: str, group: Any, timeout: datetime.time
         raise ValueError(f"op must be one of {tuple(_OPS)}, got {op!r}")
     wire = _wire(group)
     buf = tensor if tensor.device == wire else tensor.to(wire)
-    try:
-        work = dist.all_reduce(buf, op=_OPS[op], group=group, async_op=True)
-        if buf.is_cuda:
-            work.wait()
-        else:
-            work.wait(timeout)
-    except RuntimeError as e:
-        raise DistributedError(f"a collective failed or ran past {timeout.total_seconds():g} s: {e}") from e
+    timed(lambda: dist.all_reduce(buf, op=_OPS[op], group=group, async_op=True), timeout, [buf])
     if buf is not tensor:
         tensor.copy_(buf)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .distributed import DistributedError, Layout, broadcast_object, gather_objects
+from .distributed import DistributedError, Layout, broadcast_object, gather_objects, timed
 
 __all__ = [
     "broadcast_decision", "gather_rng", "merge_pipeline_state", "share_loss", "model_signature", "mismatch_message",
@@ -28,12 +28,9 @@ def share_loss(loss: torch.Tensor | None, lay: Layout, device: torch.device, ste
     """The last pipeline rank's loss on every rank of the pipeline (others pass None)."""
     buf = loss.detach().float().reshape(1) if loss is not None else torch.zeros(1, device=device)
     try:
-        work = dist.broadcast(buf, src=lay.pp_peer(lay.pp - 1), group=lay.pp_group, async_op=True)
-        if buf.is_cuda:
-            work.wait()  # device-side on NCCL: no host sync inside a step
-        else:
-            work.wait(lay.timeout)
-    except RuntimeError as e:
+        timed(lambda: dist.broadcast(buf, src=lay.pp_peer(lay.pp - 1), group=lay.pp_group, async_op=True),
+              lay.timeout, [buf])
+    except DistributedError as e:
         raise DistributedError(
             f"sharing the loss over the pipeline ranks failed at step {step} (this is rank {lay.rank}): "
             f"a peer died or hung. Cause: {e}"

@@ -15,6 +15,7 @@ profiling costs.
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import statistics
 import subprocess
@@ -26,6 +27,7 @@ from typing import Sequence
 import torch
 
 from ..checks import positive_int
+from ..distributed import DEFAULT_TIMEOUT_S, all_reduce
 from .space import Config
 
 __all__ = ["TorchrunStepTimer"]
@@ -112,7 +114,7 @@ def _worker(argv: Sequence[str] | None = None) -> None:
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - t0)
         median = torch.tensor([statistics.median(times)], dtype=torch.float64)
-        dist.all_reduce(median, op=dist.ReduceOp.MAX)  # the slowest rank's
+        all_reduce(median, "max", None, datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))  # the slowest rank's
         if dist.get_rank() == 0:
             print(f"{_MARK} {median.item():.9f}", flush=True)
     finally:
