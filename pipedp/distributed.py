@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -23,7 +24,7 @@ from .checks import positive_int, positive_number
 
 __all__ = [
     "Layout", "resolve_layout", "check_backend", "missing_ranks", "missing_note", "DistributedError",
-    "DEFAULT_TIMEOUT_S", "timed", "let_go", "gather_objects", "broadcast_object", "broadcast_tensors", "barrier", "all_reduce",
+    "DEFAULT_TIMEOUT_S", "timed", "use_counts", "let_go", "gather_objects", "broadcast_object", "broadcast_tensors", "barrier", "all_reduce",
 ]
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -200,18 +201,25 @@ def missing_note(event: int | str, world: int, during: str | None = None) -> str
 LET_GO_S = 1.0  # the most a caller waits for gloo's thread to drop a finished collective's tensors
 
 
-def timed(issue: Callable[[], Any], timeout: datetime.timedelta, lent: Sequence[torch.Tensor]) -> None:
+def timed(
+    issue: Callable[[], Any], timeout: datetime.timedelta, lent: Sequence[torch.Tensor] = (),
+    device_side: bool = False,
+) -> None:
     """Issue one asynchronous collective (``issue()`` returns its work) and wait for it at most ``timeout``.
 
-    ``lent`` are the tensors the collective was given. On CUDA the wait is
-    device-side (the current stream waits; NCCL takes no host timeout). On the
-    host it returns only once gloo's thread has let go of them (:func:`let_go`).
+    ``lent`` are the tensors the collective was given: it returns only once
+    gloo's thread has let go of those on the host (:func:`let_go`). With
+    ``device_side`` (CUDA tensors on NCCL, inside a step) only the current
+    stream waits, so the host neither blocks nor bounds the wait; the object
+    and file collectives wait on the host, where ``timeout`` holds.
+    On a failure the work is not waited for further and the error's traceback
+    keeps it alive.
     """
     host = [t for t in lent if not t.is_cuda]
-    before = _use_counts(host)
+    before = use_counts(host)
     try:
         work = issue()
-        if len(host) < len(lent):
+        if device_side:
             work.wait()
         else:
             work.wait(timeout)
@@ -221,29 +229,35 @@ def timed(issue: Callable[[], Any], timeout: datetime.timedelta, lent: Sequence[
     let_go(host, before)
 
 
-def _use_counts(tensors: Sequence[torch.Tensor]) -> list[int]:
-    count = getattr(torch.Tensor, "_use_count", None)  # a private accessor: without it, nothing is waited for
-    return [count(t) for t in tensors] if count is not None else []
+def use_counts(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
+    """Each tensor's references now, C++ and Python, to pass to :func:`let_go` with the same list.
+
+    Both count: while C++ holds a tensor (a collective's work), it also holds
+    a reference to the tensor's Python object, which it drops, taking the GIL,
+    when it lets go. Empty where this torch lacks the (private) C++ count:
+    :func:`let_go` then waits for nothing.
+    """
+    count = getattr(torch.Tensor, "_use_count", None)
+    return [(count(t), sys.getrefcount(t)) for t in tensors] if count is not None else []
 
 
-def let_go(tensors: Sequence[torch.Tensor], before: Sequence[int], limit_s: float = LET_GO_S) -> None:
-    """Wait until nothing but the caller references ``tensors`` again (their counts are back to ``before``).
+def let_go(tensors: Sequence[torch.Tensor], before: Sequence[tuple[int, int]], limit_s: float = LET_GO_S) -> None:
+    """Wait until the references to ``tensors`` are back to ``before`` (:func:`use_counts` before the collective).
 
     Why: gloo runs a collective on a thread of its own, which wakes the waiter
-    first and drops its reference to the work after. Where that is the last
-    reference to a tensor whose Python object is already gone (a temporary of a
-    helper that has returned), that thread must take the GIL to free it; if the
-    interpreter is exiting by then, the thread cannot, and the process aborts
-    ("terminate called without an active exception"). Waiting here, with the
-    tensors still held, makes the caller's reference the last, freed on its own
-    thread. The wait is a few microseconds; past ``limit_s`` it gives up.
+    first and lets go of the work's tensors after. Letting go of a tensor that
+    Python also holds drops a reference to its Python object, which needs the
+    GIL on that thread; if the interpreter is exiting by then, the thread
+    cannot take it, and the process aborts ("terminate called without an
+    active exception"). Waiting here until both counts are back leaves no such
+    step to that thread. The wait is usually none or a few short sleeps; past
+    ``limit_s`` it gives up.
     """
-    if not before:
-        return
-    count = torch.Tensor._use_count  # type: ignore[attr-defined]
     deadline = time.monotonic() + limit_s
-    while any(count(t) > n for t, n in zip(tensors, before)) and time.monotonic() < deadline:
-        time.sleep(0)  # yield the GIL and the core to gloo's thread
+    while before and time.monotonic() < deadline and any(
+        c > c0 or p > p0 for (c, p), (c0, p0) in zip(use_counts(tensors), before)
+    ):
+        time.sleep(1e-5)  # a real sleep: it gives up the GIL and the core to gloo's thread
 
 
 def _wire(group: Any) -> torch.device:
@@ -348,6 +362,7 @@ def all_reduce(tensor: torch.Tensor, op: str, group: Any, timeout: datetime.time
         raise ValueError(f"op must be one of {tuple(_OPS)}, got {op!r}")
     wire = _wire(group)
     buf = tensor if tensor.device == wire else tensor.to(wire)
-    timed(lambda: dist.all_reduce(buf, op=_OPS[op], group=group, async_op=True), timeout, [buf])
+    timed(lambda: dist.all_reduce(buf, op=_OPS[op], group=group, async_op=True), timeout, [buf],
+          device_side=buf.is_cuda)
     if buf is not tensor:
         tensor.copy_(buf)

@@ -29,7 +29,7 @@ def share_loss(loss: torch.Tensor | None, lay: Layout, device: torch.device, ste
     buf = loss.detach().float().reshape(1) if loss is not None else torch.zeros(1, device=device)
     try:
         timed(lambda: dist.broadcast(buf, src=lay.pp_peer(lay.pp - 1), group=lay.pp_group, async_op=True),
-              lay.timeout, [buf])
+              lay.timeout, [buf], device_side=buf.is_cuda)  # NCCL: no host sync inside a step
     except DistributedError as e:
         raise DistributedError(
             f"sharing the loss over the pipeline ranks failed at step {step} (this is rank {lay.rank}): "

@@ -8,7 +8,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from pipedp.distributed import all_reduce, broadcast_object, let_go, timed
+from pipedp.distributed import all_reduce, broadcast_object, let_go, timed, use_counts
 from tests import multiproc
 
 ROUNDS = 200
@@ -41,7 +41,7 @@ def test_a_host_collective_returns_holding_the_only_reference_to_its_tensors():
 
 def test_let_go_gives_up_after_its_limit_where_another_reference_stays():
     t = torch.zeros(4)
-    before = [t._use_count()]
+    before = use_counts([t])
     view = t.view(2, 2)  # a second reference that never goes away while the wait runs
     start = time.monotonic()
     let_go([t], before, limit_s=0.05)
@@ -50,3 +50,24 @@ def test_let_go_gives_up_after_its_limit_where_another_reference_stays():
     start = time.monotonic()
     let_go([t], before, limit_s=5.0)  # back to the count before: no wait
     assert time.monotonic() - start < 0.5
+
+
+class _LateWork:
+    """A collective's work whose thread still holds its tensor for ``hold_s`` after ``wait()`` returns."""
+
+    def __init__(self, t: torch.Tensor, hold_s: float) -> None:
+        self.held = [t.view(-1)]  # the thread's reference (a view counts against the tensor)
+        threading.Timer(hold_s, self.held.clear).start()
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+
+def test_timed_returns_only_after_the_collective_s_thread_let_go():
+    t = torch.zeros(4)
+    start = time.monotonic()
+    timed(lambda: _LateWork(t, 0.05), datetime.timedelta(seconds=5), [t])
+    assert time.monotonic() - start >= 0.05 and t._use_count() == 1
+    start = time.monotonic()
+    timed(lambda: _LateWork(t, 0.05), datetime.timedelta(seconds=5), [t], device_side=True)  # nothing lent on CUDA
+    assert time.monotonic() - start >= 0.05  # the host tensor is still waited for
