@@ -44,6 +44,7 @@ from pipedp.kernels.tvm.tuner import History, tune
 
 from .bench_depthwise import problems
 from .machine import describe
+from .paired import paired_ratio
 from .report import write_json
 
 DEFAULT_PROBLEMS = "0,3,6,9"  # of the 32x32 set: C=32 at 32x32, C=144 at 32x32 stride 2, C=384 at 8x8, C=960 at 4x4
@@ -72,12 +73,6 @@ def _alternating(contenders: dict[str, dict[str, Callable[[], float]]], rounds: 
             for name in names[i % len(names):] + names[:i % len(names)]:
                 times[size][name].append(timers[name]())
     return times
-
-
-def _paired(times: dict[str, list[float]], a: str, b: str) -> float:
-    """Median over rounds of ``a``'s time over ``b``'s, each pair timed back to back: a load that lasts a round
-    slows both sides of its pair, where it would move one side's median alone."""
-    return statistics.median(x / y for x, y in zip(times[a], times[b], strict=True))
 
 
 def bench_one(prob: DepthwiseConv, op: str, layout: str, small: int, target: Target, device: torch.device,
@@ -117,10 +112,10 @@ def bench_one(prob: DepthwiseConv, op: str, layout: str, small: int, target: Tar
         "problem": prob.key(), "op": op, "layout": layout, "batch": prob.n, "small": small, "config": config,
         "retuned_config": retuned, "load_average": [load, os.getloadavg()[0]], "rounds_us": rounds_us,
         "us": {size: {k: statistics.median(v) for k, v in t.items()} for size, t in rounds_us.items()},
-        "symbolic_over_fixed": {k: _paired(t, "symbolic", "fixed") for k, t in rounds_us.items()},
-        "retuned_over_symbolic": {k: _paired(t, "retuned", "symbolic") for k, t in rounds_us.items()} if retuned
+        "symbolic_over_fixed": {k: paired_ratio(t["symbolic"], t["fixed"]) for k, t in rounds_us.items()},
+        "retuned_over_symbolic": {k: paired_ratio(t["retuned"], t["symbolic"]) for k, t in rounds_us.items()} if retuned
         else None,
-        "torch_over_symbolic": {k: _paired(t, "torch", "symbolic") for k, t in rounds_us.items()},
+        "torch_over_symbolic": {k: paired_ratio(t["torch"], t["symbolic"]) for k, t in rounds_us.items()},
     }
 
 

@@ -63,6 +63,7 @@ from pipedp import console
 
 from .baselines import Numerics, Step, accum_step, make_baseline, prepare, skip_reason
 from .machine import describe, sync
+from .paired import paired_ratio
 from .report import write_json, write_text
 from .workload import Workload, parse_ints, parse_workload
 
@@ -77,7 +78,8 @@ PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
 LAYOUTS = {"nchw": False, "cl": True}
 DEFAULT_MODELS = "resnet18,resnet50,mobilenet_v2"
 DEFAULT_BATCHES = {"resnet18": [64, 128]}  # other models: 128
-ALTERNATIVES = ("eager", "compile", "graph", "graph+compile")  # each in both layouts; then accum2, accum4 (and compile-accum2/4)
+# Each in both layouts; then accum2, accum4 (and compile-accum2/4).
+ALTERNATIVES = ("eager", "compile", "graph", "graph+compile")
 ACCUM = (2, 4)
 PLAN_FIELDS = ("label", "channels_last", "compiled", "kernels", "microbatches", "counts", "planning_s", "bar",
                "trial_baseline_ms", "hint")
@@ -168,16 +170,10 @@ def summarize(runners: list[Runner], batch: int) -> dict:
             "ms_per_step": ms[r.name], "windows_ms": r.windows_ms, "images_per_s": batch * 1e3 / ms[r.name],
             "spread_ms": [min(r.windows_ms), max(r.windows_ms)], "setup_s": r.setup_s,
             "vs_best": ms[best] / ms[r.name] if best else None,
-            "vs_best_paired": _paired(by_name[best].windows_ms, r.windows_ms) if best else None,
+            "vs_best_paired": paired_ratio(by_name[best].windows_ms, r.windows_ms) if best else None,
             "vs_eager": eager / ms[r.name] if eager else None,
         }
     return {"rows": rows, "best_alternative": best, "best_alternative_ms": ms[best] if best else None}
-
-
-def _paired(bar_ms: list[float], row_ms: list[float]) -> float | None:
-    """Median over rounds of the bar's window over the row's window of the same round."""
-    ratios = [b / r for b, r in zip(bar_ms, row_ms)]
-    return statistics.median(ratios) if ratios else None
 
 
 def bench_group(work: Workload, batch: int, precision: str, args: argparse.Namespace, device: torch.device) -> dict:

@@ -35,6 +35,7 @@ from pipedp import console
 from pipedp.models import get_model
 
 from .machine import sync
+from .paired import paired_ratio
 from .world import run_world, world_report
 
 PROG = "python -m experiments.bench_dp"
@@ -114,8 +115,8 @@ def _measure(name: str, args: argparse.Namespace, device: torch.device, rank: in
     return {
         "model": name,
         "images_per_s": {k: imgs / statistics.median(v) for k, v in times.items()},
-        "pipedp_vs_ddp": statistics.median(d / p for p, d in zip(times["pipedp"], times["ddp"])),
-        "pipedp_vs_nosync": statistics.median(n / p for p, n in zip(times["pipedp"], times["nosync"])),
+        "pipedp_vs_ddp": paired_ratio(times["ddp"], times["pipedp"]),
+        "pipedp_vs_nosync": paired_ratio(times["nosync"], times["pipedp"]),
         "sync_ms_per_step": sync_ms / len(rec.stats),
         "sync_hidden_fraction": sum(st.hidden_ms for st in rec.stats) / sync_ms if sync_ms > 0 else 1.0,
         "optimizer_wait_ms_per_step": statistics.fmean(st.exposed_ms for st in rec.stats),

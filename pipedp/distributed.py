@@ -24,7 +24,8 @@ from .checks import positive_int, positive_number
 
 __all__ = [
     "Layout", "resolve_layout", "check_backend", "missing_ranks", "missing_note", "DistributedError",
-    "DEFAULT_TIMEOUT_S", "timed", "use_counts", "let_go", "gather_objects", "broadcast_object", "broadcast_tensors", "barrier", "all_reduce",
+    "DEFAULT_TIMEOUT_S", "timed", "use_counts", "let_go", "gather_objects", "broadcast_object", "broadcast_tensors",
+    "barrier", "all_reduce",
 ]
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -194,8 +195,9 @@ def missing_note(event: int | str, world: int, during: str | None = None) -> str
 # -- collectives that honour our timeout -----------------------------------------------------------
 # A blocking collective (and every object collective) waits as long as its group's own timeout,
 # the process group's for the default group. These issue the collective asynchronously and wait
-# with ``work.wait(timeout)``, which bounds the wait whatever the group; a failure or time-out is a
-# DistributedError (the caller adds what was being done and who is gone).
+# with ``work.wait(timeout)``, which bounds the wait whatever the group (a step's collectives on NCCL
+# wait on the stream instead); a failure or time-out is a DistributedError (the caller adds what was
+# being done and who is gone).
 
 
 LET_GO_S = 1.0  # the most a caller waits for gloo's thread to drop a finished collective's tensors

@@ -524,8 +524,8 @@ def _choose(space: Space, trials: _Trials, ranked: list[Config], margin: float, 
         notes.append(f"stages=auto chose {best.label} by {on}: {trials.best(best):.2f} ms per step, "
                      f"{bar_ms / trials.best(best):.2f}x the strongest alternative, {bar.label} ({bar_ms:.2f} ms)")
         return best, bar
-    plain_on_kernels = bar.run_by_pipedp(kernels=True)
-    if space.walk_kernels and best is not None and (plain_on_kernels in trials.ms or 1 not in space.microbatches):
+    if space.walk_kernels and best is not None and (bar.run_by_pipedp(kernels=True) in trials.ms
+                                                    or 1 not in space.microbatches):
         notes.append(f"stages=auto: no plan beat the strongest alternative, {bar.label} ({bar_ms:.2f} ms), by "
                      f"{margin:.0%} in {on}; kernels='tvm' runs every plan on the tuned kernels: kept the fastest "
                      f"of them, {best.label} ({trials.best(best):.2f} ms)")

@@ -217,20 +217,25 @@ def test_the_levers_a_swap_leaves_to_the_plan_and_use_switches_the_layers(export
     assert type(auto[1]) is nn.Conv2d and a.running == 0
 
 
-@pytest.mark.parametrize("faster", [True, False])
-def test_stages_auto_keeps_the_kernels_only_where_its_trials_ran_faster(exported, faster):
+def _plan_on(model, swap, clock):
+    """The pipeline of ``model`` on the CPU, planned on ``clock``'s timings, deciding ``swap``'s kernels."""
     from pipedp.build import build_pipeline
     from pipedp.comm import Local
     from pipedp.options import PipelineOptions, TrainingOptions
+
+    return build_pipeline(model, torch.randn(8, 3, 16, 16), PipelineOptions(profile=False), [torch.device("cpu")],
+                          Local(), training=TrainingOptions(channels_last=False), measure=clock, kernels=swap)
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_stages_auto_keeps_the_kernels_only_where_its_trials_ran_faster(exported, faster):
     from tests.decide.clock_tables import TableClock
 
     root, db = exported
     model = _net_module(root).build()
     swap = swap_depthwise(model, "auto", str(db), torch.device("cpu"))
     table = {"plain": 10.0, "1x4": 7.0, "1x4 tuned kernels": 5.0 if faster else 7.5}
-    pipe = build_pipeline(model, torch.randn(8, 3, 16, 16), PipelineOptions(profile=False), [torch.device("cpu")],
-                          Local(), training=TrainingOptions(channels_last=False), measure=TableClock(table),
-                          kernels=swap)
+    pipe = _plan_on(model, swap, TableClock(table))
     assert pipe.decision.kernels == faster and pipe.plan.kernels == faster and swap.on == faster
     want = TunedDepthwiseConv2d if faster else nn.Conv2d
     assert [type(m) for m in model.modules() if is_depthwise(m)] == [want, want]
@@ -258,9 +263,6 @@ def test_the_device_clock_switches_the_layers_and_the_build_leaves_them_as_decid
 
 
 def test_a_failed_planning_leaves_the_layers_on_the_kernels_wrap_put_them_on(exported):
-    from pipedp.build import build_pipeline
-    from pipedp.comm import Local
-    from pipedp.options import PipelineOptions, TrainingOptions
     from tests.decide.clock_tables import TableClock
 
     class FailsOnKernels(TableClock):
@@ -275,6 +277,5 @@ def test_a_failed_planning_leaves_the_layers_on_the_kernels_wrap_put_them_on(exp
     swap = swap_depthwise(model, "auto", str(db), torch.device("cpu"))
     clock = FailsOnKernels({"plain": 10.0, "1x4": 7.0})
     with pytest.raises(KeyboardInterrupt):
-        build_pipeline(model, torch.randn(8, 3, 16, 16), PipelineOptions(profile=False), [torch.device("cpu")],
-                       Local(), training=TrainingOptions(channels_last=False), measure=clock, kernels=swap)
+        _plan_on(model, swap, clock)
     assert swap.on and all(type(m) is TunedDepthwiseConv2d for m in model.modules() if is_depthwise(m))
