@@ -155,21 +155,30 @@ def graphed_step(model: nn.Module, opt: torch.optim.Optimizer, num: Numerics, x0
     (no copies) runs on ``stream`` when given: the ceiling test replays copies
     of it side by side.
     """
+    sx, sy = x0.clone(memory_format=torch.preserve_format), y0.clone()
+
+    def body() -> torch.Tensor:
+        loss = _forward_loss(model, sx, sy, num, cache=False)
+        loss.backward()
+        opt.step()
+        return loss
+
+    # The warm-up runs exactly what the capture records (the static inputs, autocast's cache off): a compiled
+    # model then compiles, and recompiles on whatever its guards see, outside the capture, where compiling
+    # may launch work (inside it, graph+compile-nchw failed with "operation not permitted when stream is
+    # capturing", H100 2026-11-27).
     side = torch.cuda.Stream(x0.device)
     side.wait_stream(torch.cuda.current_stream(x0.device))
-    eager = plain_step(model, opt, num)
     with torch.cuda.stream(side):
         for _ in range(3):
-            eager(x0, y0)
+            opt.zero_grad(set_to_none=True)
+            body()
     torch.cuda.current_stream(x0.device).wait_stream(side)
-    sx, sy = x0.clone(memory_format=torch.preserve_format), y0.clone()
     graph = torch.cuda.CUDAGraph()
     opt.zero_grad(set_to_none=True)
     fresh_cublas_workspaces()
     with capturing(graph, x0.device, torch.cuda.Stream(x0.device)):
-        loss = _forward_loss(model, sx, sy, num, cache=False)
-        loss.backward()
-        opt.step()
+        loss = body()
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         sx.copy_(x, non_blocking=True)

@@ -20,6 +20,8 @@ model with SGD(lr=0.01, momentum=0.9) and cross entropy on one synthetic batch:
   the eager layout that was faster in a first short round; with
   ``--compile-accum`` also ``compile-accum2``, ``compile-accum4``: the same
   over ``torch.compile(model)`` (a user who stacks both levers);
+* ``pipedp-streams`` (CUDA, ``--streams``): the same with ``branches=True,
+  split_grads=True`` (side streams inside the captured step).
 * ``pipedp``: ``pipedp.wrap(..., stages="auto", microbatches="auto",
   channels_last="auto", compile="auto")`` (with ``cuda_graph=True`` on a GPU,
   as the graphed alternatives are), which plans on its first batch: wrap
@@ -223,7 +225,7 @@ def bench_group(work: Workload, batch: int, precision: str, args: argparse.Names
             return accum_step(run, opt, num, chunks), xi, None  # type: ignore[arg-type]
         return make
 
-    def wrapped(name: str, threads: bool) -> Make:
+    def wrapped(name: str, threads: bool, streams: bool = False) -> Make:
         def make() -> tuple[Step, torch.Tensor, object]:
             model = copy.deepcopy(base)
             kw: dict[str, object] = dict(
@@ -234,6 +236,8 @@ def bench_group(work: Workload, batch: int, precision: str, args: argparse.Names
                 kernels="auto" if args.kernel_db else "torch", kernel_db=args.kernel_db)
             if threads:
                 kw["threads"] = "auto"
+            if streams:
+                kw.update(branches=True, split_grads=True)
             t0 = time.perf_counter()
             engine = pipedp.wrap(model, **kw)  # type: ignore[arg-type]
             engine.train_step(x, y)  # plans on this first batch
@@ -277,6 +281,13 @@ def bench_group(work: Workload, batch: int, precision: str, args: argparse.Names
         skipped["pipedp-threads"] = "threads= schedules CPU stages: CPU only"
     else:
         setup("pipedp-threads", wrapped("pipedp-threads", threads=True))
+
+    if not args.streams:
+        skipped["pipedp-streams"] = "off by default: pass --streams"
+    elif device.type != "cuda":
+        skipped["pipedp-streams"] = "branches and split_grads run on CUDA streams: CUDA only"
+    else:
+        setup("pipedp-streams", wrapped("pipedp-streams", threads=False, streams=True))
 
     ran = alternate(runners, y, args.rounds, args.steps, device, errors, where)
     res = summarize(ran, batch)
@@ -361,6 +372,8 @@ def _parser() -> argparse.ArgumentParser:
                         "on 2 CPU cores a compile takes minutes)")
     p.add_argument("--compile-accum", action="store_true", help="also time gradient accumulation over the "
                    "compiled model (compile-accum2, compile-accum4; skipped without --compile)")
+    p.add_argument("--streams", action="store_true", help="also time pipedp with branches=True and split_grads=True "
+                   "(CUDA side streams; stages='auto' then weighs them against the compiled step)")
     p.add_argument("--threads", action="store_true", help="also time pipedp with threads='auto' (CPU)")
     p.add_argument("--plan-budget", type=float, default=30.0, help="pipedp's plan_budget_s: seconds its planner may "
                    "spend on trials")

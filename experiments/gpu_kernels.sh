@@ -11,6 +11,8 @@
 # Results go to OUTDIR (at most 6 files: device.txt, run.log, depthwise_gpu.json, depthwise_gpu.md,
 # train_step.json, round_results.json).
 #   bash experiments/gpu_kernels.sh OUTDIR [--quick | --dry-run]
+# GPU_KERNELS_BUDGET (560), GPU_KERNELS_TESTS_S (90), GPU_KERNELS_ROUND_S (150) and GPU_KERNELS_KEEP_S (330, what
+# the round leaves for the benchmark and the step) size a shorter call.
 # --dry-run: set up as for a run and check it (the imports, the CUDA tests collected, the benchmark's plan),
 # time nothing (no GPU needed).
 # Carry .gpu: the runtime bundle (bash ../shared/tools/gpu-bundle.sh: .gpu/wheels, .gpu/tvmlib) and the
@@ -22,6 +24,9 @@ mkdir -p "$out"
 out=$(cd "$out" && pwd)
 log=$out/run.log
 budget=${GPU_KERNELS_BUDGET:-560}  # seconds for the whole command (a run gets 600): each step is cut to fit
+tests_s=${GPU_KERNELS_TESTS_S:-90}  # (a)'s limit
+round_s=${GPU_KERNELS_ROUND_S:-150}  # (b)'s limit
+keep_s=${GPU_KERNELS_KEEP_S:-330}  # what (b) leaves for (c) and (d)
 left() { echo $(( budget - SECONDS - $1 )); }  # seconds left, keeping $1 for the steps after this one
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo" || exit 1
@@ -69,10 +74,10 @@ print(f"torch {torch.__version__} cuda {torch.version.cuda} device {torch.cuda.g
 PY
 
 echo "== (a) CUDA kernel tests" | tee -a "$log"
-timeout 90 python3 -m pytest -q -m cuda -p no:cacheprovider tests/experiments/test_depthwise_gpu_numerics.py 2>&1 \
+timeout "$tests_s" python3 -m pytest -q -m cuda -p no:cacheprovider tests/experiments/test_depthwise_gpu_numerics.py 2>&1 \
   | tee -a "$log" || status=1
 
-t=$(left 330); [ "$t" -gt 150 ] && t=150  # (the benchmark and the training step keep 330 s)
+t=$(left "$keep_s"); [ "$t" -gt "$round_s" ] && t=$round_s  # (the benchmark and the training step keep keep_s)
 if [ -f .gpu/round/round.json ] && [ "$t" -gt 60 ]; then
   echo "== (b) tuning round .gpu/round" | tee -a "$log"
   timeout "$t" python3 -m pipedp.ops.measure .gpu/round --out "$out/round_results.json" --time-limit $((t - 30)) 2>&1 \

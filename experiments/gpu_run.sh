@@ -100,10 +100,14 @@ ceiling() {  # ceiling NAME MODELS BATCHES
 
 case "$part" in
   best|best-b128)
-    limit=540; b=64; [ "$part" = "best-b128" ] && b=128
-    precisions=fp32,bf16; if [ "$quick" = "--quick" ]; then precisions=fp32; limit=240; fi
-    timeout "$limit" $py -m experiments.bench_best --device cuda --models resnet18 --batch "$b" \
-      --precision "$precisions" --out "$out/${part}_gpu.json" --md "$out/${part}_gpu.md" 2>&1 | log || status=1 ;;
+    # BEST_MODELS, BEST_BATCH, BEST_PRECISION and BEST_FLAGS (more bench_best options, e.g. --streams --rounds 3)
+    # override the defaults; groups run in the order given and each is written when done, so a cut run keeps them.
+    limit=540; b=${BEST_BATCH:-64}; [ "$part" = "best-b128" ] && b=128
+    precisions=${BEST_PRECISION:-fp32,bf16}; if [ "$quick" = "--quick" ]; then precisions=fp32; limit=240; fi
+    # shellcheck disable=SC2086
+    timeout "$limit" $py -m experiments.bench_best --device cuda --models "${BEST_MODELS:-resnet18}" --batch "$b" \
+      --precision "$precisions" ${BEST_FLAGS:-} --out "$out/${part}_gpu.json" --md "$out/${part}_gpu.md" 2>&1 \
+      | log || status=1 ;;
   tests)
     timeout 500 $py -m pytest -q -m cuda -p no:cacheprovider tests/test_cuda.py tests/test_build.py \
       tests/experiments/test_baselines.py tests/experiments/test_ceiling.py tests/experiments/test_bench_pipeline.py \
