@@ -76,7 +76,8 @@ def wrap(
     split_grads, early_update); ``sample`` (a batch or its shape) plans now
     instead of on the first batch. ``optimizer`` is built on
     ``model.parameters()`` (or a factory of them); ``loss_fn`` is called as
-    ``loss_fn(output, target)`` and returns a scalar with a mean reduction.
+    ``loss_fn(output, target)`` and returns a scalar: the batch's mean, or its sum when
+    ``loss_fn.reduction`` is ``"sum"``. An optimizer whose ``step`` needs a closure (LBFGS) is refused.
     Both are needed for ``train_step``, not for inference.
     """
     return Engine(

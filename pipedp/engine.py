@@ -46,7 +46,7 @@ from .plan import Plan
 from .precision import LossScaler
 from .restore import check_checkpoint, undo_on_failure
 from .snapshot import rng_state, set_rng_state
-from .step import LossFn, StepRunner
+from .step import LossFn, StepRunner, loss_reduction
 from .update import GradientStep
 from .watch import ModelWatch
 from .world import Trial, WorldChoice, choose_world
@@ -62,8 +62,10 @@ class Engine:
     Args:
         model: the unmodified model (``nn.Sequential``, torchvision-style ResNet,
             or an fx-traceable chain); it stays the same object (``engine.module``).
-        optimizer: an optimizer built on ``model.parameters()``, or a factory.
-        loss_fn: ``loss_fn(output, target) -> scalar`` with a mean reduction.
+        optimizer: an optimizer built on ``model.parameters()``, or a factory; its
+            ``step()`` runs once per batch, without a closure (LBFGS is refused).
+        loss_fn: ``loss_fn(output, target) -> scalar``, a mean over the batch, or
+            a sum when its ``reduction`` is ``"sum"`` (``"none"`` is refused).
         pipeline, data_parallel, kernels, training, concurrency: the option groups (defaults when None).
         sample: a batch (or its shape) to plan with now; else the first batch.
     """
@@ -92,6 +94,7 @@ class Engine:
         self.devices = resolve_devices(model, opts.devices)
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable (output, target) -> scalar, got {type(loss_fn).__name__}")
+        loss_reduction(loss_fn)  # refused at wrap when it does not reduce to one scalar per batch
         self.loss_fn = loss_fn
         self.optimizer = check_optimizer(model, optimizer)
         dp_options = data_parallel if data_parallel is not None else DataParallelOptions()
@@ -247,7 +250,7 @@ class Engine:
         return sync.stats() if sync is not None and sync.step else None
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """One optimizer step on the batch ``(x, y)``; returns the detached batch-mean loss.
+        """One optimizer step on the batch ``(x, y)``; returns the batch's loss (mean or sum), detached.
 
         The loss stays on the device (no host sync); call ``.item()`` when needed.
         If the step fails, parameters, optimizer state and buffers are as before.

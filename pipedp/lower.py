@@ -54,14 +54,26 @@ def surrogate_loss(out: object, _: torch.Tensor) -> torch.Tensor:
     return torch.stack([t.float().mean() for t in tensors_in(out) if t.is_floating_point()]).sum()
 
 
+# Channels-last for each tensor rank that has one: 4-d (NCHW, Conv2d) and 5-d (NCDHW, Conv3d).
+_CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
+
+
 def in_layout(x: torch.Tensor, channels_last: bool) -> torch.Tensor:
-    """``x`` in the memory format the model runs in (itself when it already is)."""
-    return x.contiguous(memory_format=torch.channels_last) if channels_last and x.dim() == 4 else x
+    """``x`` in the memory format the model runs in (itself when it already is): a 4-d batch channels-last,
+    a 5-d one channels-last-3d, any other rank as it is."""
+    fmt = _CHANNELS_LAST.get(x.dim()) if channels_last else None
+    return x.contiguous(memory_format=fmt) if fmt is not None else x
 
 
 def set_layout(model: nn.Module, channels_last: bool) -> None:
-    """Put the model's 4-d parameters and buffers in channels-last or plain contiguous format (in place)."""
-    model.to(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    """Put the model's 4-d and 5-d parameters and buffers in channels-last (-3d) or plain contiguous format
+    (in place: the parameters stay the same objects, as ``model.to`` keeps them)."""
+    if not channels_last:
+        model.to(memory_format=torch.contiguous_format)
+        return
+    # model.to(memory_format=channels_last) refuses 5-d tensors (Conv3d) and channels_last_3d 4-d ones:
+    # each tensor gets its own rank's format, by the conversion Module.to applies.
+    model._apply(lambda t: t.contiguous(memory_format=_CHANNELS_LAST[t.dim()]) if t.dim() in _CHANNELS_LAST else t)
 
 
 class OneTensor(nn.Module):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Iterable, Union
 
 import torch
@@ -25,6 +26,7 @@ def check_optimizer(model: nn.Module, optimizer: OptimizerSpec) -> torch.optim.O
         optimizer = optimizer(model.parameters())
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"the optimizer factory returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
+    _check_steps_alone(optimizer)
     mine = {id(p) for p in model.parameters()}
     foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in mine]
     if foreign:
@@ -33,6 +35,24 @@ def check_optimizer(model: nn.Module, optimizer: OptimizerSpec) -> torch.optim.O
             f"build it on model.parameters() of the model you wrap (or pass a factory)"
         )
     return optimizer
+
+
+def _check_steps_alone(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer whose ``step`` needs an argument (LBFGS's closure): pipedp calls ``step()`` bare."""
+    try:
+        signature = inspect.signature(optimizer.step)
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to read, as torch's own are not
+        return
+    needed = [p.name for p in signature.parameters.values()
+              if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD,
+                                                                    p.KEYWORD_ONLY)]
+    if needed:
+        what = "a closure" if needed == ["closure"] else f"the argument(s) {', '.join(repr(n) for n in needed)}"
+        raise ValueError(
+            f"{type(optimizer).__name__}.step() needs {what}, but pipedp steps the optimizer once per batch, "
+            f"after the batch's backward, as optimizer.step() without a closure (a closure would run the "
+            f"forward and backward again inside the step). Use an optimizer that steps without one (SGD, Adam, "
+            f"AdamW, ...), or train with a plain PyTorch loop for {type(optimizer).__name__}")
 
 
 def move_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

@@ -2,7 +2,8 @@
 
 A step equals plain PyTorch running the same microbatches with gradient
 accumulation (each microbatch's mean loss weighted by its share of the
-batch) followed by the same optimizer step. If anything fails, buffers are
+batch; a summed loss, ``reduction="sum"``, added as it is) followed by the
+same optimizer step. If anything fails, buffers are
 put back and gradients cleared, so parameters, optimizer state and BatchNorm
 statistics are as before the step; a failure inside ``optimizer.step()``
 itself (which may have updated some parameters, or created state, before
@@ -20,6 +21,7 @@ it back.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -38,9 +40,34 @@ from .pipeline.trace import step_spans, write_trace
 from .snapshot import UpdateSnapshot
 from .update import GradientStep
 
-__all__ = ["StepRunner", "LossFn"]
+__all__ = ["StepRunner", "LossFn", "loss_reduction"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+# How a batch's loss reduces its samples, as torch's losses name it: "batchmean" (KLDivLoss) is a mean too.
+_REDUCTIONS = {"mean": "mean", "batchmean": "mean", "sum": "sum"}
+
+
+def loss_reduction(loss_fn: LossFn | None) -> str:
+    """``"mean"`` or ``"sum"``: how ``loss_fn`` reduces a batch, so that microbatch losses combine to the batch's.
+
+    Read from its ``reduction`` attribute (torch's loss modules; a closure may
+    carry one) or a ``functools.partial``'s ``reduction=`` keyword; a loss that
+    names none is taken as a mean. Any other reduction (``"none"``) is refused
+    with the fix: a step needs one scalar per batch.
+    """
+    reduction = getattr(loss_fn, "reduction", None)
+    if reduction is None and isinstance(loss_fn, functools.partial):
+        reduction = loss_fn.keywords.get("reduction")
+    if reduction is None:
+        return "mean"
+    if reduction not in _REDUCTIONS:
+        raise ValueError(
+            f"loss_fn has reduction={reduction!r}: pipedp needs one scalar loss per batch, a mean over its samples "
+            f"(reduction='mean', weighted by each microbatch's share) or a sum (reduction='sum', added up). "
+            f"Use reduction='mean' or 'sum', or reduce inside a loss_fn of your own "
+            f"(give it a reduction='sum' attribute when it sums)")
+    return _REDUCTIONS[reduction]
 
 
 class StepRunner:
@@ -50,6 +77,7 @@ class StepRunner:
                  comm: Communicator, options: PipelineOptions, grads: GradientStep | None = None,
                  early: EarlyUpdate | None = None) -> None:
         self.model, self.pipe, self.optimizer, self.loss_fn = model, pipe, optimizer, loss_fn
+        self.reduction = loss_reduction(loss_fn)
         self.comm, self.microbatches = comm, pipe.microbatches  # the plan's choice ("auto" resolved)
         self.grads = grads if grads is not None else GradientStep((), comm)
         self.graph = StepGraph(self.graph_body) if options.cuda_graph else None
@@ -79,7 +107,9 @@ class StepRunner:
             if part is not None:
                 part.step = index
         try:
-            if self.pipe.sync is not None:  # weighs this replica by its share of the global batch
+            # A mean weighs this replica by its share of the global batch; sums are averaged over the replicas
+            # plainly, as DDP does.
+            if self.pipe.sync is not None and self.reduction == "mean":
                 self.pipe.sync.begin(x.shape[0])
             loss = self._forward_backward(x, y, timer)
             if self.pipe.sync is not None:
@@ -127,7 +157,7 @@ class StepRunner:
             -> torch.Tensor | None:
         k = microbatch.count(x.shape[0], self.microbatches)
         xs, ys = microbatch.split(x, k), microbatch.split(y, k)
-        weights = microbatch.shares([t.shape[0] for t in xs])
+        weights = microbatch.shares([t.shape[0] for t in xs], self.reduction)
         if self.pipe.batchnorm is not None:
             self.pipe.batchnorm.begin()
         if self.early is not None:

@@ -172,7 +172,7 @@ def decide(parts: Parts, model: nn.Module, sample: torch.Tensor, batch: torch.Te
             clock = measure if measure is not None else DeviceClock(
                 model, parts, batch, devices, options, comm, training, concurrency,
                 kernels=kernels.use if kernels is not None and levers != (False,) else None)
-            hazard = channels_last_hazard(model, devices[0]) if training.channels_last == "auto" else None
+            hazard = channels_last_hazard(model, devices[0], batch) if training.channels_last == "auto" else None
             decision = _timed(_space(parts, profiles, model, devices[0], choices, training, concurrency, hazard,
                                      levers), clock, budget, options, devices[0], warm)
             decision = replace(decision, notes=(*decision.notes, *(n for n in (hazard, _serial(devices[0])) if n)))

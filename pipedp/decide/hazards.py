@@ -15,8 +15,12 @@ from ..ops.swap import TunedDepthwiseConv2d
 __all__ = ["channels_last_hazard"]
 
 
-def channels_last_hazard(model: nn.Module, device: torch.device) -> str | None:
-    """Why channels_last must not be tried for ``model`` on ``device`` (None: it may).
+def channels_last_hazard(model: nn.Module, device: torch.device, batch: torch.Tensor) -> str | None:
+    """Why channels_last must not be tried for ``model`` on ``device`` with ``batch`` (None: it may).
+
+    Only a 4-d batch (NCHW) is tried in channels-last: other ranks keep their
+    layout under ``"auto"`` (a 5-d batch runs channels-last-3d only when the
+    user asks for ``channels_last=True``).
 
     A depthwise layer that must run tuned kernels (``kernels="tvm"``) runs
     them in the layout they were tuned for: another layout would be an error
@@ -28,6 +32,9 @@ def channels_last_hazard(model: nn.Module, device: torch.device) -> str | None:
     kernel sizes, are fine). Such layers occur in narrow test models, rarely
     in real ones; the user may still ask for ``channels_last=True``.
     """
+    if batch.dim() != 4:
+        return (f"channels_last=auto: kept the model's layout: the input is {batch.dim()}-d, and channels-last "
+                f"is tried for 4-d (NCHW) inputs only (channels_last=True runs a 5-d one channels-last-3d)")
     for name, m in model.named_modules():
         if isinstance(m, TunedDepthwiseConv2d) and m.kernels is not None and m.kernels.strict:
             return (f"channels_last=auto: kept the model's layout: '{name}' runs tuned kernels only "

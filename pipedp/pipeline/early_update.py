@@ -15,7 +15,7 @@ to the part's parameters for one ``optimizer.step()`` and put back in a
 ``state_dict`` stay the optimizer's own, so LR schedulers and checkpoints
 see the usual optimizer. Exact for an optimizer whose update of a parameter
 reads only that parameter's gradient and state (every ``torch.optim``
-optimizer but ``LBFGS``, which is refused); step hooks run once per part.
+optimizer but ``LBFGS``, which ``wrap`` refuses: its step needs a closure); step hooks run once per part.
 What needs all gradients first is refused by the engine: global gradient
 clipping and fp16 loss scaling (its inf/NaN check decides for all).
 
@@ -61,7 +61,7 @@ def narrowed(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -
             g["params"] = ps
 
 
-def check_early_update(optimizer: torch.optim.Optimizer | None, *, clip: float | None, precision: str) -> None:
+def check_early_update(*, clip: float | None, precision: str) -> None:
     """Refuse what an early, per-stage update cannot do exactly."""
     if clip is not None:
         raise ValueError(
@@ -73,9 +73,6 @@ def check_early_update(optimizer: torch.optim.Optimizer | None, *, clip: float |
             "early_update=True with precision='fp16': loss scaling skips a step when any gradient holds "
             "inf/NaN, which is known only after the whole backward. Use precision='bf16' (no loss scaling) or "
             "early_update=False")
-    if isinstance(optimizer, torch.optim.LBFGS):
-        raise ValueError("early_update=True with LBFGS: its update couples all parameters (and needs a closure); "
-                         "pass early_update=False")
 
 
 class EarlyUpdate:

@@ -60,8 +60,11 @@ def split(x: torch.Tensor, microbatches: int) -> list[torch.Tensor]:
     return list(torch.split(x, sizes(x.shape[0], microbatches), dim=0))
 
 
-def shares(chunk_sizes: Sequence[int]) -> list[float]:
-    """Each chunk's fraction of the batch: the weight of its (mean) loss."""
+def shares(chunk_sizes: Sequence[int], reduction: str = "mean") -> list[float]:
+    """The weight of each chunk's loss in the batch's: its fraction of the batch for a mean loss, 1 for a
+    summed one (``reduction="sum"``: the batch's sum is the sum of its chunks')."""
+    if reduction == "sum":
+        return [1.0] * len(chunk_sizes)
     total = sum(chunk_sizes)
     return [n / total for n in chunk_sizes]
 
