@@ -7,7 +7,7 @@ stages, made here: a trial times exactly what the chosen plan will run.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -26,7 +26,7 @@ from .pipeline.stage import Stage
 from .pipeline.stream import new_lane
 
 __all__ = ["Parts", "OneTensor", "measurable", "make_executor", "surrogate_loss", "sync_devices", "in_layout",
-           "set_layout"]
+           "set_layout", "trial"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,25 @@ class Parts:
 
     blocks: list[Block]
     copy_input: list[bool]  # per block: its forward changes its input in place
+
+    @property
+    def trains(self) -> bool:
+        """Has a step anything to train: a parameter that requires grad?
+
+        A frozen model (a distillation teacher) or one without parameters can
+        only run forward: an engine of one serves inference, and its trials
+        time the forward (a backward would have nothing to reach).
+        """
+        return any(p.requires_grad for b in self.blocks for p in b.module.parameters())
+
+
+def trial(ex: Executor, parts: Parts, xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor],
+          weights: Sequence[float]) -> Callable[[], object]:
+    """One step of a plan as the trials time it: forward and backward with :func:`surrogate_loss`, or the forward
+    alone where nothing of the model trains (:attr:`Parts.trains`)."""
+    if parts.trains:
+        return lambda: ex.train(xs, ys, weights, surrogate_loss)
+    return lambda: ex.forward(xs)
 
 
 def sync_devices(devices: Sequence[torch.device]) -> None:

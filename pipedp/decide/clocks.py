@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..comm import Communicator
-from ..lower import OneTensor, Parts, in_layout, make_executor, set_layout, surrogate_loss, sync_devices
+from ..lower import OneTensor, Parts, in_layout, make_executor, set_layout, surrogate_loss, sync_devices, trial
 from ..options import ConcurrencyOptions, PipelineOptions, TrainingOptions
 from ..pipeline import microbatch
 from ..pipeline.concurrency import install
@@ -152,10 +152,13 @@ class DeviceClock:
         dtype = _AUTOCAST[config.precision] if config.precision is not None else self.training.autocast_dtype
         kind = self.devices[0].type
 
+        trains = self.parts.trains  # else the forward alone: a model with nothing to train serves inference
+
         def run() -> None:
             with torch.autocast(kind, dtype=dtype, enabled=dtype is not None):
                 loss = surrogate_loss(whole(x), x)
-            loss.backward()
+            if trains:
+                loss.backward()
 
         return run, None
 
@@ -179,4 +182,4 @@ class DeviceClock:
             undo = side.undo
         elif config.compiled:
             self.stages[config] = list(ex.stages)
-        return (lambda: ex.train(xs, ys, w, surrogate_loss)), undo
+        return trial(ex, self.parts, xs, ys, w), undo

@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..comm import Communicator
-from ..lower import Parts, make_executor, surrogate_loss
+from ..lower import Parts, make_executor, trial
 from ..options import PipelineOptions, TrainingOptions
 from ..partition.blocks import Block
 from ..partition.profile import BlockProfile
@@ -38,7 +38,7 @@ def decide_cpu(parts: Parts, blocks: list[Block], profiles: Sequence[BlockProfil
                                   training=training, threads=plan.threads)
             xs = microbatch.split(batch, plan.microbatches)
             w = microbatch.shares([t.shape[0] for t in xs])
-            runs[plan] = lambda: ex.train(xs, xs, w, surrogate_loss)
+            runs[plan] = trial(ex, parts, xs, xs, w)
         return step_ms(runs[plan], warmup=False)
 
     size = microbatch.sizes(batch.shape[0], max(choices))[0]

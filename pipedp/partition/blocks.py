@@ -38,11 +38,13 @@ import torch
 from torch import nn
 
 from ..checks import positive_int
+from ..snapshot import preserved_state
 from .boundary import Value, is_value, leaf, map_tensors, tensors
 from .trace import Traced, trace
 
 __all__ = ["CutError", "Point", "carried", "chosen_points", "traced_points", "fx_blocks", "is_resnet", "Block",
-           "blocks_of", "check_chain", "check_materialised", "check_one_input", "Chain", "module_mode", "mutates_input"]
+           "blocks_of", "changes_input", "check_chain", "check_materialised", "check_one_input", "Chain",
+           "module_mode", "mutates_input"]
 
 _HOW = "pass an nn.Sequential of the model's parts"
 SPAN = 16  # fx nodes: a longer stretch without a one-tensor cut is cut where several tensors are live
@@ -379,49 +381,29 @@ def mutates_input(err: BaseException) -> bool:
 
 
 def check_chain(model: nn.Module, blocks: list[Block], sample: torch.Tensor) -> list[bool]:
-    """Check that the blocks compute ``model(sample)``; return which blocks modify their input.
+    """Check that the blocks compute ``model(sample)``; return which blocks modify their input (:func:`changes_input`).
 
     Runs in eval mode (deterministic) and catches a model that looks like a
     known structure but whose forward does something else, and blocks that
     return what cannot pass a boundary (not a tensor or a tuple of tensors).
-    Each block after the first gets its input as a fresh leaf that requires
-    grad, as a pipeline stage would; a block that modifies that input in place
-    (e.g. ``ReLU(inplace=True)`` right after a cut) is reported, so a stage
-    starting with it can take a copy of its input; so is a block that hands
-    its input on as it is (an ``Identity``, a view) to one that modifies it,
-    as the same input reaches that one. A model output with NaN/inf cannot be
-    compared, so it is refused as such (naming where the NaN/inf first
-    appears) rather than passed unchecked.
+    A model output with NaN/inf cannot be compared, so it is refused as such
+    (naming where the NaN/inf first appears) rather than passed unchecked.
     """
-    flags: list[bool] = []
-    passes: list[bool] = []  # the block returns its input itself, or a view of it
     first_bad: str | None = None  # the first block whose output is not finite
-    with module_mode(model, training=False):
-        with torch.no_grad():
-            ref = model(sample)
-        y: Value = sample
+    # The model and the chain each on a copy: a forward may change its input in place.
+    with module_mode(model, training=False), torch.no_grad():
+        ref = model(sample.clone())
+        y: Value = sample.clone()
         for i, b in enumerate(blocks):
-            x = leaf(y, i > 0)
-            try:
-                y = b.module(x)
-                flags.append(False)
-            except RuntimeError as e:
-                if not mutates_input(e):
-                    raise
-                y = b.module(map_tensors(x, torch.clone))
-                flags.append(True)
+            y = b.module(y)
             if not is_value(y) or (i == len(blocks) - 1 and not isinstance(y, torch.Tensor)):
                 raise CutError(
                     f"block '{b.name}' of {type(model).__name__} returns {type(y).__name__}, not a tensor"
                     f"{'' if i == len(blocks) - 1 else ' or a tuple of tensors'}; only those pass between stages"
                 )
-            passes.append(any(t is u or t._base is u for t in tensors(y) for u in tensors(x)))
             if first_bad is None and not all(_finite(t) for t in tensors(y)):
                 first_bad = b.name
-    for i in range(len(flags) - 2, -1, -1):
-        flags[i] = flags[i] or (passes[i] and flags[i + 1])
     assert isinstance(y, torch.Tensor)
-    y = y.detach()
     _check_output(model, ref, sample, first_bad)
     if ref.shape != y.shape or not torch.allclose(ref.float(), y.float(), rtol=1e-4, atol=1e-5):
         raise CutError(
@@ -429,6 +411,45 @@ def check_chain(model: nn.Module, blocks: list[Block], sample: torch.Tensor) -> 
             f"({', '.join(b.name for b in blocks[:6])}{', ...' if len(blocks) > 6 else ''}): "
             f"running them in order gives a different result"
         )
+    return changes_input(model, blocks, sample)
+
+
+def changes_input(model: nn.Module, blocks: list[Block], sample: torch.Tensor) -> list[bool]:
+    """Which blocks modify their input in place as they train, so that a stage starting with one gives it a copy.
+
+    The blocks run as stages train them: train mode, gradients on, each
+    block after the first on a fresh leaf that requires grad. Eval mode
+    would hide some (``Dropout(inplace=True)`` does nothing there), and so
+    would ``no_grad`` (an engine whose first call is inference plans under
+    it, where autograd lets an in-place change of a leaf pass). Reported: a
+    block that modifies its leaf input (``ReLU(inplace=True)`` right after a
+    cut), a first block that changes the batch (its stage copies each
+    microbatch, and the user's batch is left as it was), and a block that
+    hands its input on as it is (an ``Identity``, a view) to one that
+    modifies it, as the same input reaches that one. Runs on a copy of
+    ``sample``, and puts back buffers, ``.grad`` and the RNG: the user's
+    model, batch and generators are left as they were.
+    """
+    flags: list[bool] = []
+    passes: list[bool] = []  # the block returns its input itself, or a view of it
+    with preserved_state(model, [sample.device]), module_mode(model, training=True), torch.enable_grad():
+        y: Value = sample.clone()
+        for i, b in enumerate(blocks):
+            x = leaf(y, i > 0)
+            versions = [t._version for t in tensors(x)]
+            try:
+                y = b.module(x)
+                # A change autograd lets pass (the first block's input, which needs no gradient; an integer
+                # tensor) shows in the version counter.
+                flags.append(any(t._version != v for t, v in zip(tensors(x), versions)))
+            except RuntimeError as e:
+                if not mutates_input(e):
+                    raise
+                y = b.module(map_tensors(x, torch.clone))
+                flags.append(True)
+            passes.append(any(t is u or t._base is u for t in tensors(y) for u in tensors(x)))
+    for i in range(len(flags) - 2, -1, -1):
+        flags[i] = flags[i] or (passes[i] and flags[i + 1])
     return flags
 
 
