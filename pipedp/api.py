@@ -18,6 +18,7 @@ from .options import (
 )
 from .partition.report import CutReport, inspect_cut
 from .partition.threads import ThreadsSpec
+from .snapshot import forked_rng
 from .decide.cut import StagesSpec
 from .step import LossFn
 
@@ -107,4 +108,6 @@ def inspect(model: nn.Module, sample: torch.Tensor | Sequence[int], *, depth: in
     """Where ``model`` can be cut, before any step: its blocks, the modules kept whole while tracing and why,
     the stretches of its forward with no cut point, or why it is not cut at all (``stages="auto"`` then trains
     it as one stage). ``sample``: a batch, or its shape. ``print()`` the result."""
-    return inspect_cut(model, sample_batch(model, sample), depth=depth)
+    devices = sorted({str(t.device) for t in (*model.parameters(), *model.buffers())})
+    with forked_rng(devices):  # the check runs the model: its dropout draws leave the user's generators alone
+        return inspect_cut(model, sample_batch(model, sample), depth=depth)

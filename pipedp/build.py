@@ -84,11 +84,17 @@ class Pipeline:
 
 
 def sample_batch(model: nn.Module, sample: torch.Tensor | Sequence[int]) -> torch.Tensor:
-    """``sample`` itself, or a random batch of that shape in the model's dtype."""
+    """``sample`` itself, or a random batch of that shape in the model's dtype.
+
+    The stand-in comes from a generator of its own with a fixed seed: it
+    leaves the user's generator where it was (a seeded script draws the same
+    with ``sample=shape`` as without) and is the same batch every run.
+    """
     if isinstance(sample, torch.Tensor):
         return sample
     p = next(model.parameters(), None)
-    return torch.randn(tuple(int(v) for v in sample), dtype=p.dtype if p is not None else torch.float32)
+    return torch.randn(tuple(int(v) for v in sample), dtype=p.dtype if p is not None else torch.float32,
+                       generator=torch.Generator().manual_seed(0))
 
 
 def build_pipeline(model: nn.Module, batch: torch.Tensor, options: PipelineOptions,

@@ -45,7 +45,7 @@ from .pipeline.trace import Clock
 from .plan import Plan
 from .precision import LossScaler
 from .restore import check_checkpoint, undo_on_failure
-from .snapshot import rng_state, set_rng_state
+from .snapshot import forked_rng, rng_state, set_rng_state
 from .step import LossFn, StepRunner, loss_reduction
 from .update import GradientStep
 from .watch import ModelWatch
@@ -170,10 +170,15 @@ class Engine:
         return self._pipe.executor if self._pipe is not None else None
 
     def _build(self, batch: torch.Tensor) -> Pipeline:
-        pipe = self._pipe = build_pipeline(self.module, batch, self.options, self.devices, self.comm, step=self.steps,
-                                           training=self.training_options, concurrency=self.concurrency_options,
-                                           given=self.world.layout if self.world is not None else None,
-                                           kernels=self._kernels)
+        """Plan and build on ``batch``. Planning runs the model on a copy of it, with the RNG forked: a forward
+        that changes its input in place, or draws dropout masks, leaves the user's batch and generators as plain
+        PyTorch's first step will find them."""
+        with forked_rng(self.devices):
+            pipe = self._pipe = build_pipeline(self.module, batch.detach().clone(), self.options, self.devices,
+                                               self.comm, step=self.steps, training=self.training_options,
+                                               concurrency=self.concurrency_options,
+                                               given=self.world.layout if self.world is not None else None,
+                                               kernels=self._kernels)
         self._plan = pipe.plan
         # Not a method of self: the finalizer must not keep the engine alive. It runs at close() or when the
         # engine is collected, so a dropped engine leaves no hooks on the user's model.

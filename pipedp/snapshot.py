@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["BufferSnapshot", "UpdateSnapshot", "preserved_state", "rng_state", "set_rng_state"]
+__all__ = ["BufferSnapshot", "UpdateSnapshot", "forked_rng", "preserved_state", "rng_state", "set_rng_state"]
 
 
 class BufferSnapshot:
@@ -194,22 +194,32 @@ def _cuda_indices(devices: Sequence[torch.device | str]) -> list[int]:
 
 
 @contextlib.contextmanager
-def preserved_state(model: nn.Module, devices: Sequence[torch.device | str] = ()) -> Iterator[None]:
-    """Put back buffers, ``.grad`` and torch's RNG (CPU and the given CUDA devices) on exit."""
-    buffers = BufferSnapshot(model)
-    buffers.save()
-    grads = [(p, p.grad) for p in model.parameters()]
+def forked_rng(devices: Sequence[torch.device | str] = ()) -> Iterator[None]:
+    """Put torch's RNG (CPU and the given CUDA devices) back on exit: what runs inside draws without moving the
+    user's generators, so a seeded script draws the same masks and data order with pipedp as without."""
     cpu_rng = torch.get_rng_state()
     cuda_rng = [(i, torch.cuda.get_rng_state(i)) for i in _cuda_indices(devices)]
     try:
         yield
     finally:
-        buffers.restore()
-        for p, g in grads:
-            p.grad = g
         torch.set_rng_state(cpu_rng)
         for i, state in cuda_rng:
             torch.cuda.set_rng_state(state, i)
+
+
+@contextlib.contextmanager
+def preserved_state(model: nn.Module, devices: Sequence[torch.device | str] = ()) -> Iterator[None]:
+    """Put back buffers, ``.grad`` and torch's RNG (CPU and the given CUDA devices) on exit."""
+    buffers = BufferSnapshot(model)
+    buffers.save()
+    grads = [(p, p.grad) for p in model.parameters()]
+    try:
+        with forked_rng(devices):
+            yield
+    finally:
+        buffers.restore()
+        for p, g in grads:
+            p.grad = g
 
 
 def rng_state() -> dict[str, Any]:

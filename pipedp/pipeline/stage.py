@@ -50,9 +50,11 @@ class Stage:
         return torch.autocast(self.device.type, dtype=self.autocast, cache_enabled=self.autocast_cache)
 
     def __call__(self, x: Value) -> Value:
-        # A leaf that requires grad cannot be modified in place: give such a
-        # first block a (non-leaf) copy; gradients still reach the leaf.
+        # A first block that modifies its input in place gets a copy: a leaf that requires grad cannot be
+        # modified (the copy is no leaf; gradients still reach the leaf), and the first stage's microbatches are
+        # views of the user's batch that share one version counter (a change to one would spoil what autograd
+        # saved of another), and the user's batch stays as it was.
         if self.copy_input:
-            x = map_tensors(x, lambda t: t.clone() if t.requires_grad and t.is_leaf else t)
+            x = map_tensors(x, torch.clone)
         with self.precision():
             return (self.body if self.body is not None else self.chain)(x)
