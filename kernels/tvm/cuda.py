@@ -70,8 +70,8 @@ import math
 
 from tvm import s_tir
 
-from .cuda_common import (MAX_SHARED, MAX_THREADS, SPLITS, allocated_shared, bind_flat, check_accumulators,
-                          check_shared, check_splits, check_threads, cooperative_fetch, log2, own_kernel, write_back)
+from .cuda_common import (MAX_SHARED, MAX_THREADS, SPLITS, allocated_shared, check_accumulators, check_shared,
+                          check_splits, check_threads, cooperative_fetch, log2, own_kernel, sum_splits, write_back)
 from .ops import DepthwiseConv
 from .space import Config, InvalidConfig, Knob, Space
 from .template import has_pad, register
@@ -321,9 +321,6 @@ def _wgrad(sch: s_tir.Schedule, conv: DepthwiseConv, cfg: Config) -> None:
     _, taps = sch.split(sch.fuse(tr, ts), [None, cfg["threads"]])
     sch.bind(taps, "threadIdx.x")
     if splits > 1:  # stage 2: the splits' partial sums, one (channel, tap) per thread
-        *spatial, _ = sch.get_loops(out)
-        bind_flat(sch, sch.fuse(*spatial), [(64, "threadIdx.x")])
-        sch.bind(sch.get_loops(out)[0], "blockIdx.x")
-        write_back(sch, out, None, sch.get_loops(out)[1])
+        sum_splits(sch, out)
     if cast is not None:  # rounding the fp32 sums: a small kernel of its own (see above for why not at the taps)
         own_kernel(sch, cast)

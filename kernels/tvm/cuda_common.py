@@ -19,7 +19,11 @@ see :func:`.ops.rounded`), and small elementwise stages as kernels of their own 
 
 Threads of one kernel share one extent per thread axis: a loop bound to ``threadIdx.x`` with fewer
 iterations than the block has threads must be split by the block's width (its predicate idles the rest),
-and what it writes must be written inside that predicate: TVM adds no guard of its own.
+and what it writes must be written inside that predicate: TVM adds no guard of its own. (TVM launches a
+kernel with the extent of its first loop bound to each axis. A stage moved below a block's loop gets loops
+as long as the data it covers there, shorter than the block's threads where one tile is wider than the
+data: NHWC grad-weight with ``tc`` > c faulted so on an H200, 2026-11-28. ``kernels.tvm.emulate``'s
+``thread_mismatches`` lists such loops.)
 
 Two more rules of the same kind, each learnt from a kernel that was wrong or faulted on an H100
 (2026-11-25; ``kernels.tvm.emulate`` finds both on a CPU):
@@ -49,7 +53,7 @@ from .space import InvalidConfig
 
 __all__ = ["MAX_THREADS", "MAX_THREADS_Z", "MAX_SHARED", "MAX_ACCUMULATORS", "REGISTERS_PER_SM", "SPLITS",
            "check_threads", "check_shared", "allocated_shared", "check_accumulators", "check_splits", "vector_widths",
-           "cooperative_fetch", "own_loops", "write_back", "own_kernel", "bind_flat"]
+           "cooperative_fetch", "own_loops", "write_back", "own_kernel", "sum_splits", "bind_flat"]
 
 MAX_THREADS = 1024  # threads per block on every CUDA GPU
 MAX_THREADS_Z = 64  # threadIdx.z extent
@@ -166,6 +170,18 @@ def write_back(sch: s_tir.Schedule, out: s_tir.SBlockRV, cast: s_tir.SBlockRV | 
     else:
         sch.set_scope(out, 0, "local")
         sch.reverse_compute_at(cast, at)
+
+
+def sum_splits(sch: s_tir.Schedule, out: s_tir.SBlockRV, threads: int = 64) -> None:
+    """Grad-weight's second kernel: ``out``'s sum over the splits' partial sums (its last loop), one output per
+    thread, ``threads`` per block, kept in a register and written once. The write goes below the outputs' loop
+    before that loop is split by the threads, so the split's predicate guards it: computed at the split's thread
+    loop, with fewer outputs than a block has threads (kh*kw*c < 64, as for 3x3 and up to 7 channels) it had
+    none, and its threads wrote past the outputs' end."""
+    outputs = sch.fuse(*sch.get_loops(out)[:-1])
+    write_back(sch, out, None, outputs)
+    bind_flat(sch, outputs, [(threads, "threadIdx.x")])
+    sch.bind(sch.get_loops(out)[0], "blockIdx.x")
 
 
 def own_kernel(sch: s_tir.Schedule, block: s_tir.SBlockRV, threads: int = 64) -> None:

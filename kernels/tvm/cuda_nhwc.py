@@ -48,7 +48,8 @@ import math
 from tvm import s_tir
 
 from .cuda_common import (SPLITS as BASE_SPLITS, allocated_shared, bind_flat, check_accumulators, check_shared,
-                          check_splits, check_threads, cooperative_fetch, log2, own_kernel, vector_widths, write_back)
+                          check_splits, check_threads, cooperative_fetch, log2, own_kernel, sum_splits, vector_widths,
+                          write_back)
 from .ops import DepthwiseConv
 from .space import Config, InvalidConfig, Knob, Space
 from .template import has_pad, register
@@ -235,15 +236,19 @@ def _wgrad(sch: s_tir.Schedule, conv: DepthwiseConv, cfg: Config) -> None:
         part, o, rr, rs, rro, lane_rf = sch.get_loops(rf)
     else:
         (rr, rs, o, rro, lane_rf), part = sch.get_loops(rf), None
+    sch.reorder(*([part] if part is not None else []), o, lane_rf, rro, rr, rs)
+    sch.set_scope(rf, 0, "shared")
+    acc = sch.cache_write(rf, 0, "local")
+    # The registers' copy to shared memory goes below the lanes before the channels are split, so the split's
+    # predicate guards it too. Moved there after the split, it got tc channels and, where the split of (n, h, w)
+    # has a tail (14x14 planes), no predicate: with tc > c its threads past the channels wrote over other taps'
+    # sums in shared memory, and past their end
+    sch.reverse_compute_at(acc, lane_rf)
     oo, oc = sch.split(o, [None, cfg["tc"]])
-    sch.reorder(*([part] if part is not None else []), oo, oc, lane_rf, rro, rr, rs)
     chan = sch.fuse(part, oo) if part is not None else oo
     sch.bind(chan, "blockIdx.x")
     sch.bind(oc, "threadIdx.x")
     sch.bind(lane_rf, "threadIdx.y")
-    sch.set_scope(rf, 0, "shared")
-    acc = sch.cache_write(rf, 0, "local")
-    sch.reverse_compute_at(acc, lane_rf)
     if cfg["unroll"]:
         sch.annotate(rro, "pragma_auto_unroll_max_step", cfg["unroll"])
     sch.unroll(rr)
@@ -253,16 +258,16 @@ def _wgrad(sch: s_tir.Schedule, conv: DepthwiseConv, cfg: Config) -> None:
     # Below chan, as main's iteration variables: the lanes' sum, r, s, the block's channels. The taps go over
     # threadIdx.y, ty at a time: one threadIdx.y extent per kernel (the lanes'), the split's predicate keeps the
     # threads past the last tap idle; the sums go straight to their buffer under it (a write stage computed here
-    # would be sized by the loop, not by the taps there are, and write past them)
+    # would be sized by the loop, not by the taps there are, and write past them). The block's channels likewise
+    # go over threadIdx.x tc at a time: with tc > c the block's one channel block is c long, a loop of c bound to
+    # threadIdx.x would run its tc - c threads past the channels (past dwT_rf's end and the shared partial sums:
+    # "an illegal memory access" on the H200), and the split's predicate idles them
     lanes, r, s, oi = sch.get_loops(main)[1:]
     sch.reorder(r, s, oi, lanes)
     _, taps = sch.split(sch.fuse(r, s), [None, cfg["ty"]])
     sch.bind(taps, "threadIdx.y")
-    sch.bind(oi, "threadIdx.x")
+    bind_flat(sch, oi, [(cfg["tc"], "threadIdx.x")])
     if splits > 1:  # stage 2: the splits' partial sums, one (tap, channel) per thread
-        spatial = sch.get_loops(out)[:-1]
-        bind_flat(sch, sch.fuse(*spatial), [(64, "threadIdx.x")])
-        sch.bind(sch.get_loops(out)[0], "blockIdx.x")
-        sch.reverse_compute_at(sch.cache_write(out, 0, "local"), sch.get_loops(out)[1])
+        sum_splits(sch, out)
     own_kernel(sch, sch.get_sblock("dw"))  # torch's (o, 1, kh, kw) from dwT, rounded for fp16/bf16
 

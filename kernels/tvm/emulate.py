@@ -10,7 +10,7 @@ it into a CPU kernel of the same loops and index expressions:
 - every loop bound to ``blockIdx``/``threadIdx``/``vthread`` becomes a
   serial loop (a thread block's stages are separate loop nests over its
   threads, with a barrier between them on the GPU: serially they run in
-  the same order);
+  the same order), over its own extent;
 - shared and local buffers become ordinary buffers of their full logical
   shape (a thread's registers are the elements it indexes);
 - every store to the kernel's output also counts that element's writes in
@@ -22,14 +22,26 @@ it into a CPU kernel of the same loops and index expressions:
 :func:`check` then runs it on random operands at a batch size of its own
 (the kernels take any) inside buffers guarded by NaN on both sides: a read
 past a tensor's end brings NaN into the result, a write past the output's
-end changes the guard. A read far past the guard can end the process with
-a segfault, as it faults on the GPU: run :func:`check` in a worker process
+end changes the guard. What the serial loops cannot show is found from the
+schedule (:func:`thread_mismatches`): a GPU runs every loop bound to a
+thread axis over the threads its kernel is launched with along that axis,
+which TVM takes from the kernel's first such loop and guards no other, so
+the threads past a shorter loop run its body past its extent, into the
+kernel's own buffers (partial sums in global memory, shared and local
+stages) where no guard would see them, or past the end of its memory. A
+read far past the guard can end the process with a segfault, as it faults
+on the GPU: run :func:`check` in a worker process
 (:class:`pipedp.ops.worker.Worker`) where that must not end the caller.
 
 What it cannot see: races between the threads of a block on a reduction
-target or in shared memory (serially they take turns), timing, and the
+target or in shared memory (serially they take turns), timing, the
 alignment of vector loads (its operands are aligned, as torch's
-allocations are; see :mod:`pipedp.ops.layout`).
+allocations are; see :mod:`pipedp.ops.layout`), and a stage's writes past
+the end of a row of the kernel's own buffers into the next, where a later
+block or thread writes the right values over them before they are read
+(e.g. a channel tile that does not divide the channels): on the GPU such a
+buffer is cut to the block's tile, and the same writes may fall past its
+end. The schedule shows them, as loops whose blocks have no predicate.
 """
 
 from __future__ import annotations
@@ -45,12 +57,50 @@ from pipedp.ops.problem import DepthwiseConv
 
 from .space import Config
 
-__all__ = ["COUNTS", "emulated_source", "emulate", "compile_emulated", "Finding", "check"]
+__all__ = ["COUNTS", "emulated_source", "thread_mismatches", "emulate", "compile_emulated", "Finding", "check"]
 
 COUNTS = "writes_"  # the extra output: how often each output element was stored
 
 _SIGNATURE = re.compile(r"def (\w+)\((.*)\):\n")
 _PARAM = re.compile(r'(\w+): T\.Buffer\((\(.*?\)), "(\w+)"\)')
+_THREAD = re.compile(r'T\.thread_binding\(([^,]+), thread="((?:blockIdx|threadIdx)\.[xyz])"')
+
+
+def _thread_loops(lines: list[str]) -> dict[int, tuple[str, str, str]]:
+    """The loops of a TVMScript's lines bound to a thread axis, by line: (axis, extent, the kernel's extent along
+    the axis). A kernel is a loop nest at the root with thread bindings; TVM launches it with the extent of its
+    first loop bound to each axis, whatever the extents of its later loops bound to the same axis."""
+    found: dict[int, tuple[str, str, str]] = {}
+    kernel_indent, launch = -1, {}
+    for k, line in enumerate(lines):
+        indent = len(line) - len(line.lstrip())
+        if line.strip() and indent <= kernel_indent:
+            kernel_indent = -1  # the kernel's nest ended
+        if kernel_indent < 0 and "T.thread_binding(" in line:
+            kernel_indent, launch = indent, {}
+        bound = _THREAD.search(line)
+        if bound:
+            extent, axis = bound.groups()
+            found[k] = (axis, extent, launch.setdefault(axis, extent))
+    return found
+
+
+def thread_mismatches(script: str) -> list[str]:
+    """The loops of a scheduled CUDA module's TVMScript bound to a thread axis at other than its kernel's extent
+    along it: TVM guards none of them, so the threads past a shorter loop's extent run its body past its domain
+    (indices past its buffers' ends, or into their next row), and a longer loop's iterations past the kernel's
+    extent never run."""
+    out = []
+    for k, (axis, extent, launch) in sorted(_thread_loops(script.splitlines()).items()):
+        if extent != launch:
+            if not (extent.isdigit() and launch.isdigit()):
+                what = "the extents may differ"
+            elif int(extent) < int(launch):
+                what = f"its {axis} {extent}..{int(launch) - 1} run its body past its extent"
+            else:
+                what = f"its iterations {launch}..{int(extent) - 1} never run"
+            out.append(f"line {k + 1}: a loop over {extent} {axis} in a kernel launched with {launch}: {what}")
+    return out
 
 
 def emulated_source(script: str) -> str:
@@ -78,14 +128,18 @@ def emulated_source(script: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _scheduled(conv: DepthwiseConv, op: str, config: Config, arch: str = "sm_90") -> tvm.IRModule:
+    from .builder import schedule
+    from .target import make_target
+
+    return schedule(conv, op, config, make_target("cuda", arch)).mod
+
+
 def emulate(conv: DepthwiseConv, op: str, config: Config, arch: str = "sm_90") -> tuple[Any, str]:
     """``config``'s CUDA kernel of ``op`` on ``conv`` (any batch size), compiled to run serially on this CPU:
     the module and its function's name. Called as the kernel is, with the write counts after its output."""
-    from .builder import default_symbol, schedule
-    from .target import make_target
-
-    sch = schedule(conv, op, config, make_target("cuda", arch))
-    return compile_emulated(sch.mod), default_symbol(op)
+    mod = _scheduled(conv, op, config, arch)
+    return compile_emulated(mod), _symbol(mod)
 
 
 def compile_emulated(mod: tvm.IRModule) -> Any:
@@ -93,24 +147,33 @@ def compile_emulated(mod: tvm.IRModule) -> Any:
     return tvm.compile(tvm.script.from_source(emulated_source(mod.script())), target="llvm")
 
 
+def _symbol(mod: tvm.IRModule) -> str:
+    (func,) = mod.get_global_vars()
+    return func.name_hint
+
+
 @dataclass(frozen=True)
 class Finding:
     """What one emulated call did: the largest error against torch (NaN where a read left the tensors), how many
-    output elements were stored other than once, whether the output's guards still hold, and the tolerance."""
+    output elements were stored other than once, whether the output's guards still hold, and the tolerance; and
+    the schedule's loops bound to a thread axis at other than their kernel's extent (:func:`thread_mismatches`)."""
 
     n: int
     error: float
     tolerance: float
     miswritten: int
     guards_intact: bool
+    thread_mismatches: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
-        return self.error <= self.tolerance and self.miswritten == 0 and self.guards_intact
+        return (self.error <= self.tolerance and self.miswritten == 0 and self.guards_intact
+                and not self.thread_mismatches)
 
     def __str__(self) -> str:
         return (f"n={self.n}: error {self.error:.3g} (tolerance {self.tolerance:.3g}), {self.miswritten} output "
-                f"element(s) not stored exactly once, guards {'intact' if self.guards_intact else 'OVERWRITTEN'}")
+                f"element(s) not stored exactly once, guards {'intact' if self.guards_intact else 'OVERWRITTEN'}"
+                + "".join(f"\n  {m}" for m in self.thread_mismatches))
 
 
 def _guarded(t: Any, layout: str) -> tuple[Any, int, Any]:
@@ -130,8 +193,9 @@ def _guarded(t: Any, layout: str) -> tuple[Any, int, Any]:
 
 
 def check(conv: DepthwiseConv, op: str, config: Config, batches: tuple[int, ...] = (1, 3),
-          compiled: tuple[Any, str] | None = None) -> list[Finding]:
-    """:func:`emulate` ``config`` and run it at each of ``batches`` against torch (see the module docstring)."""
+          scheduled: tvm.IRModule | None = None) -> list[Finding]:
+    """:func:`emulate` ``config`` and run it at each of ``batches`` against torch (see the module docstring);
+    ``scheduled``: a scheduled module of ``op`` on ``conv`` to check in place of ``config``'s."""
     import torch
 
     from pipedp.ops import harness
@@ -139,7 +203,8 @@ def check(conv: DepthwiseConv, op: str, config: Config, batches: tuple[int, ...]
 
     from .template import layout_of
 
-    module, symbol = compiled or emulate(conv, op, config)
+    mod = scheduled if scheduled is not None else _scheduled(conv, op, config)
+    module, symbol, mismatched = compile_emulated(mod), _symbol(mod), tuple(thread_mismatches(mod.script()))
     layout = layout_of(config)
     acts = {"fwd": (True, False, True), "dgrad": (True, False, True), "wgrad": (True, True, False)}[op]
     found = []
@@ -155,5 +220,5 @@ def check(conv: DepthwiseConv, op: str, config: Config, batches: tuple[int, ...]
         error = (out.float() - ref.float()).abs().max().item()
         tolerance = harness.tolerance(problem, op) * max(1.0, ref.float().abs().max().item())
         intact = bool(torch.isnan(buf[:guard]).all() and torch.isnan(buf[guard + out.numel():]).all())
-        found.append(Finding(n, error, tolerance, int((counts != 1).sum()), intact))
+        found.append(Finding(n, error, tolerance, int((counts != 1).sum()), intact, mismatched))
     return found

@@ -11,6 +11,16 @@ generated kernels, both from the schedules, both reproduced here without a GPU:
   with compute_at: threads summed past their chunk (twice-counted terms: wrong at most batch sizes, e.g. the
   CUDA tests' 1 and 3) and, in the last chunk, read past the end of x and dy ("an illegal memory access").
 
+The H200 round of 2026-11-28 (experiments/results/depthwise_gpu_h200_2026-11-28.log, rows 41 and 42) found a
+third: NHWC grad-weight with a channel tile wider than the channels (tc=64, c=32) summed its partial sums in a
+loop over the 32 channels bound to threadIdx.x, in a kernel launched with 64: TVM guards no such loop, so threads
+32..63 ran past the channels, past the end of the shared partial sums and of the global ones ("an illegal memory
+access"). Serially on a CPU every loop runs its own extent, so the emulator finds this one in the schedule
+(emulate.thread_mismatches). The same configs copied their registers' sums to shared memory unguarded where the
+split of (n, h, w) leaves a tail (e.g. 14x14 planes): threads past the channels overwrote other taps' sums. And
+with fewer (tap, channel) outputs than 64 (up to 7 channels of 3x3 taps), the second kernel of a split sum wrote
+past the end of grad-weight (both layouts).
+
 Each check runs in a worker process: a read far out of bounds can end the process, as it faults on a GPU.
 """
 
@@ -52,6 +62,23 @@ H100_FAILURES = [
 ]
 
 
+_H200 = DepthwiseConv(128, 32, 32, 32, kernel=(3, 3), padding=(1, 1))  # (c=32 at n=128, as tuned)
+# Grad-weight of few channels: NHWC channel tiles wider than the channels (the configs of the H200 round that
+# faulted, rows 41 and 42; the default config of 8 channels, whose split of (n, h, w) has a tail at every batch
+# size), and the splits' sum over fewer (tap, channel) outputs than its block's 64 threads (3x3 taps x 4 channels,
+# either layout: its threads past them wrote past grad-weight's end)
+FEW_CHANNELS = [
+    pytest.param(_H200, {"layout": "NHWC", "splits": 16, "tc": 64, "ty": 4, "unroll": 64}, id="h200-row41-tc64-c32"),
+    pytest.param(_H200, {"layout": "NHWC", "splits": 128, "tc": 64, "ty": 16, "unroll": 16}, id="h200-row42-tc64-c32"),
+    pytest.param(_H200, {"layout": "NHWC", "splits": 1, "tc": 64, "ty": 8, "unroll": 16}, id="tc64-c32-one-split"),
+    pytest.param(_conv(8, 14, s=2), {"layout": "NHWC", "splits": 64, "tc": 16, "ty": 8, "unroll": 16},
+                 id="default-tc16-c8-split-with-a-tail"),
+    pytest.param(_conv(4, 14), {"splits": 8, "threads": 64, "unroll": 16}, id="nchw-splits-sum-of-36"),
+    pytest.param(_conv(4, 14), {"layout": "NHWC", "splits": 8, "tc": 8, "ty": 32, "unroll": 16},
+                 id="nhwc-splits-sum-of-36"),
+]
+
+
 @pytest.fixture(scope="module")
 def worker():
     with Worker() as w:
@@ -65,6 +92,11 @@ def _ok(findings):
 @pytest.mark.parametrize("conv, op, config", H100_FAILURES)
 def test_the_kernels_that_failed_on_the_h100_are_in_bounds_and_right(worker, conv, op, config):
     _ok(worker.call(emulate.check, (conv, op, config, (1, 3)), 600))
+
+
+@pytest.mark.parametrize("conv, config", FEW_CHANNELS)
+def test_grad_weight_of_few_channels_idles_the_threads_past_them(worker, conv, config):
+    _ok(worker.call(emulate.check, (conv, "wgrad", config, (1, 3)), 600))
 
 
 def test_grad_weight_at_the_benchmarks_batch_sizes_too(worker):
@@ -143,7 +175,7 @@ def old_schedule_findings(which, conv, cfg, batches):
     """(A worker's job) the emulator's findings on a schedule as it was before the fix."""
     sch = {"flat": _old_flat, "wgrad": _old_wgrad}[which](conv, cfg)
     op = "fwd" if which == "flat" else "wgrad"
-    return emulate.check(conv, op, cfg, batches, compiled=(emulate.compile_emulated(sch.mod), f"depthwise_{op}"))
+    return emulate.check(conv, op, cfg, batches, scheduled=sch.mod)
 
 
 def test_the_emulator_finds_the_h100s_faults_in_the_schedules_as_they_were(worker):
@@ -166,3 +198,29 @@ def test_emulated_source_serialises_threads_and_counts_the_outputs_stores():
     assert "thread_binding" not in text and 'scope="shared"' not in text and 'scope="local"' not in text
     assert f"{emulate.COUNTS}: T.Buffer((n, 32, 14, 14), \"int32\")" in text
     assert text.count(f"{emulate.COUNTS}[") == 2  # one store of y, counted: read and written once
+
+
+_TWO_KERNELS = '''
+    @T.prim_func(s_tir=True)
+    def f(a: T.Buffer((128,), "float32"), b: T.Buffer((128,), "float32")):
+        for bx in T.thread_binding(2, thread="blockIdx.x"):
+            for tx in T.thread_binding(64, thread="threadIdx.x"):
+                with T.sblock("A"):
+                    a[bx * 64 + tx] = T.float32(1)
+            for tx in T.thread_binding(TX, thread="threadIdx.x"):
+                with T.sblock("B"):
+                    b[bx * 64 + tx] = a[bx * 64 + tx]
+        for bx in T.thread_binding(4, thread="blockIdx.x"):
+            for tx in T.thread_binding(32, thread="threadIdx.x"):
+                with T.sblock("C"):
+                    b[bx * 32 + tx] = b[bx * 32 + tx] + T.float32(1)
+'''
+
+
+def test_thread_mismatches_are_loops_off_their_kernels_first_extent_along_an_axis():
+    # (TVM launches a kernel with the extent of its first loop bound to an axis; each kernel has its own)
+    assert emulate.thread_mismatches(_TWO_KERNELS.replace("TX", "64")) == []
+    (short,) = emulate.thread_mismatches(_TWO_KERNELS.replace("TX", "32"))
+    assert "a loop over 32 threadIdx.x in a kernel launched with 64: its threadIdx.x 32..63 run its body" in short
+    (long,) = emulate.thread_mismatches(_TWO_KERNELS.replace("TX", "128"))
+    assert "its iterations 64..127 never run" in long
