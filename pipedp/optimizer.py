@@ -39,11 +39,13 @@ def check_optimizer(model: nn.Module, optimizer: OptimizerSpec) -> torch.optim.O
 
 def _check_steps_alone(optimizer: torch.optim.Optimizer) -> None:
     """Refuse an optimizer whose ``step`` needs an argument (LBFGS's closure): pipedp calls ``step()`` bare."""
+    # The class's step, past its wrappers (torch's profiling hook on every optimizer class, an LR scheduler's
+    # wrapper on the instance, both functools.wraps): what a bare call finally reaches. Its first parameter is self.
     try:
-        signature = inspect.signature(optimizer.step)
+        signature = inspect.signature(type(optimizer).step)
     except (TypeError, ValueError):  # a builtin without a signature: nothing to read, as torch's own are not
         return
-    needed = [p.name for p in signature.parameters.values()
+    needed = [p.name for p in list(signature.parameters.values())[1:]
               if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD,
                                                                     p.KEYWORD_ONLY)]
     if needed:

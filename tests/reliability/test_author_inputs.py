@@ -229,3 +229,7 @@ def test_an_optimizer_whose_closure_is_optional_is_accepted():
     model = sequential_cnn()
     for opt in (torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.Adam(model.parameters())):
         pipedp.wrap(model, optimizer=opt, loss_fn=nn.CrossEntropyLoss(), progress=False).close()
+    # An LR scheduler wraps the instance's step (functools.wraps: its signature reads as the unbound step's).
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
+    pipedp.wrap(model, optimizer=opt, loss_fn=nn.CrossEntropyLoss(), progress=False).close()
