@@ -91,8 +91,10 @@ def set_layout(model: nn.Module, channels_last: bool) -> None:
         model.to(memory_format=torch.contiguous_format)
         return
     # model.to(memory_format=channels_last) refuses 5-d tensors (Conv3d) and channels_last_3d 4-d ones:
-    # each tensor gets its own rank's format, by the conversion Module.to applies.
-    model._apply(lambda t: t.contiguous(memory_format=_CHANNELS_LAST[t.dim()]) if t.dim() in _CHANNELS_LAST else t)
+    # each tensor gets its own rank's format, by the conversion Module.to applies (Tensor.to, whose strides for
+    # size-1 dims differ from Tensor.contiguous's: other strides pick other kernels, and so other rounding
+    # than the user's model.to(memory_format=torch.channels_last)).
+    model._apply(lambda t: t.to(memory_format=_CHANNELS_LAST[t.dim()]) if t.dim() in _CHANNELS_LAST else t)
 
 
 class OneTensor(nn.Module):
