@@ -20,8 +20,6 @@ model with SGD(lr=0.01, momentum=0.9) and cross entropy on one synthetic batch:
   the eager layout that was faster in a first short round; with
   ``--compile-accum`` also ``compile-accum2``, ``compile-accum4``: the same
   over ``torch.compile(model)`` (a user who stacks both levers);
-* ``pipedp-streams`` (CUDA, ``--streams``): the same with ``branches=True,
-  split_grads=True`` (side streams inside the captured step).
 * ``pipedp``: ``pipedp.wrap(..., stages="auto", microbatches="auto",
   channels_last="auto", compile="auto")`` (with ``cuda_graph=True`` on a GPU,
   as the graphed alternatives are), which plans on its first batch: wrap
@@ -32,6 +30,8 @@ model with SGD(lr=0.01, momentum=0.9) and cross entropy on one synthetic batch:
   names a ``tune-kernels`` database: then ``kernels="auto"`` takes each tuned
   depthwise kernel its tuning measured faster than torch (never the per-user
   cache, which would make the figures depend on what this machine tuned before).
+* ``pipedp-streams`` (CUDA, ``--streams``): ``pipedp`` with ``branches=True,
+  split_grads=True`` (side streams inside the captured step).
 
 Timing: each configuration is built and warmed up (2 steps; that time is its
 setup, reported apart), then windows of ``--steps`` steps go round robin over
