@@ -116,7 +116,7 @@ class Engine:
         self.comm.same_start(model)  # rank 0's values everywhere, as DDP does
         self._watch = ModelWatch(model)  # what the model holds now, checked at every step
         self.concurrency_options = concurrency if concurrency is not None else ConcurrencyOptions()
-        check_rules(opts, topts, self.concurrency_options, self.optimizer, self.devices)
+        check_rules(opts, topts, self.concurrency_options, self.devices)
         self.scaler = LossScaler() if topts.precision == "fp16" else None  # fp16 loss scaling
         self.steps = 0
         self._pipe: Pipeline | None = None

@@ -1,7 +1,7 @@
 """The rules across option groups, in one place, and the settings every rank must share.
 
 Each option group checks its own fields when made; what depends on two
-groups, the optimizer or the devices is checked here, once, at wrap, before
+groups or the devices is checked here, once, at wrap, before
 any model is touched. The settings ranks must share are derived from the
 option fields: a field is shared unless its metadata marks it ``local``
 (where a rank's value may differ: its devices, its progress output).
@@ -21,7 +21,7 @@ __all__ = ["check_rules", "shared_settings"]
 
 
 def check_rules(pipeline: PipelineOptions, training: TrainingOptions, concurrency: ConcurrencyOptions,
-                optimizer: torch.optim.Optimizer | None, devices: Sequence[torch.device]) -> None:
+                devices: Sequence[torch.device]) -> None:
     """Refuse combinations that would not be exact or would not run: a clear error naming the fix."""
     if training.compile is True and (concurrency.branches or concurrency.split_grads):
         raise ValueError(

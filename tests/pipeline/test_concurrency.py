@@ -91,8 +91,8 @@ def test_side_lanes_a_model_never_uses_are_forked_before_they_are_joined(monkeyp
 def test_compile_with_swapped_layers_is_refused_with_the_fix():
     for kw in (dict(branches=True), dict(split_grads=True)):
         with pytest.raises(ValueError, match="with compile=True: the swapped layers order streams by events"):
-            check_rules(PipelineOptions(), TrainingOptions(compile=True), ConcurrencyOptions(**kw), None, CPU)
-    check_rules(PipelineOptions(), TrainingOptions(compile=True), ConcurrencyOptions(early_update=True), None, CPU)
+            check_rules(PipelineOptions(), TrainingOptions(compile=True), ConcurrencyOptions(**kw), CPU)
+    check_rules(PipelineOptions(), TrainingOptions(compile=True), ConcurrencyOptions(early_update=True), CPU)
 
 
 @pytest.mark.cuda
