@@ -34,7 +34,8 @@ from torch import nn
 
 import pipedp
 from pipedp.partition.balance import balance, stage_costs
-from pipedp.partition.blocks import CutError, blocks_of, check_chain
+from pipedp.partition.blocks import CutError, blocks_of
+from pipedp.partition.check import check_chain
 from pipedp.partition.profile import profile_blocks
 
 from . import zoo

@@ -35,7 +35,8 @@ from .device import canonical_device
 from .lower import Parts, in_layout, make_executor, set_layout
 from .ops.swap import Swap
 from .options import ConcurrencyOptions, PipelineOptions, TrainingOptions
-from .partition.blocks import Block, CutError, blocks_of, check_chain
+from .partition.blocks import Block, CutError, blocks_of
+from .partition.check import check_chain
 from .partition.threads import concurrent_times
 from .pipeline import microbatch
 from .pipeline.batchnorm import DeferredBatchNorm, batchnorms_in_several

@@ -30,7 +30,8 @@ from .atomic import write_text
 from .decide.layout import ASSUMPTIONS, BlockCosts, Prediction, rank
 from .decide.links import NAMED, Link, parse_link
 from .lower import measurable, surrogate_loss, sync_devices
-from .partition.blocks import blocks_of, check_chain, module_mode
+from .partition.blocks import blocks_of, module_mode
+from .partition.check import check_chain
 from .partition.profile import BlockProfile, profile_blocks
 from .snapshot import preserved_state
 

@@ -89,3 +89,13 @@ class TwoPaths(nn.Module):
         for la, lb in zip(self.a, self.b):
             a, b = la(a), lb(b)
         return self.head((a + b).mean((2, 3)))
+
+
+class TwoConvs(nn.Module):
+    """Two conv-ReLU parts and a classifier head, for tests whose forward does something around them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU())
+        self.b = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU())
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))

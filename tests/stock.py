@@ -29,3 +29,12 @@ def torchvision_models() -> types.ModuleType:
         sys.modules["torchvision._meta_registrations"] = types.ModuleType("torchvision._meta_registrations")
         import torchvision.models as models
     return models
+
+
+def timm() -> types.ModuleType:
+    """``timm`` (importing torchvision as :func:`torchvision_models` can), or the test skipped where it is missing."""
+    if importlib.util.find_spec("timm") is None:
+        pytest.skip("timm is not installed (the dev extra has it)")
+    torchvision_models()
+    import timm as module
+    return module

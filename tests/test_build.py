@@ -270,7 +270,8 @@ def test_a_concurrent_trial_times_the_pieces_and_puts_the_model_back():
     from pipedp.lower import Parts
     from pipedp.models import resnet18
     from pipedp.options import ConcurrencyOptions
-    from pipedp.partition.blocks import blocks_of, check_chain
+    from pipedp.partition.blocks import blocks_of
+    from pipedp.partition.check import check_chain
 
     model = resnet18(width=4)
     before = [type(m) for m in model.modules()]

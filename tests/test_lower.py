@@ -6,7 +6,8 @@ from torch._dynamo.utils import counters
 from pipedp.comm import Local
 from pipedp.lower import Parts, make_executor
 from pipedp.options import PipelineOptions
-from pipedp.partition.blocks import blocks_of, check_chain
+from pipedp.partition.blocks import blocks_of
+from pipedp.partition.check import check_chain
 
 
 @pytest.mark.slow  # three inductor compiles of a tiny stage (about 10 s on 2 cores)

@@ -38,13 +38,12 @@ import torch
 from torch import nn
 
 from ..checks import positive_int
-from ..snapshot import preserved_state
-from .boundary import Value, is_value, leaf, map_tensors, tensors
-from .trace import Traced, trace
+from .boundary import Value
+from .modes import ModeBlock, copy_nodes, differing
+from .trace import ModeError, Traced, trace
 
 __all__ = ["CutError", "Point", "carried", "chosen_points", "traced_points", "fx_blocks", "is_resnet", "Block",
-           "blocks_of", "changes_input", "check_chain", "check_materialised", "check_one_input", "Chain",
-           "module_mode", "mutates_input"]
+           "blocks_of", "check_materialised", "check_one_input", "Chain", "module_mode"]
 
 _HOW = "pass an nn.Sequential of the model's parts"
 SPAN = 16  # fx nodes: a longer stretch without a one-tensor cut is cut where several tensors are live
@@ -195,8 +194,11 @@ def traced_points(model: nn.Module) -> tuple[Traced, list[Point]]:
     """The model traced (:mod:`pipedp.partition.trace`) and every point between its nodes; CutError if untraceable."""
     name = type(model).__name__
     try:
-        with module_mode(model, training=True):  # the mode steps run in; check_chain compares in eval mode
-            traced = trace(model)
+        traced = trace(model)
+    except ModeError as e:
+        raise CutError(f"cannot cut {name} into blocks: {e}",
+                       "move what depends on the mode into a submodule (pipedp keeps a module that reads "
+                       "self.training whole)") from e
     except Exception as e:  # TraceError, or whatever user code raises on proxies
         raise CutError(
             f"cannot cut {name} into blocks: torch.fx could not trace its forward "
@@ -250,11 +252,34 @@ def fx_blocks(name: str, traced: Traced, points: list[Point]) -> list[Block]:
         )
     blocks: list[Block] = []
     start, values = 0, (source,)
+    other = _in_eval_mode(traced)
     for i, live in cuts + [(len(body) - 1, (result,))]:
         seg = body[start : i + 1]
-        blocks.append(Block(_label(seg), _segment(gm, seg, values, live, name)))
+        module: nn.Module = _segment(gm, seg, values, live, name)
+        if other is not None and any(n in other.differs for n in seg):
+            ev = other.nodes
+            module = ModeBlock(module, _segment(other.module, [ev[n] for n in seg], tuple(ev[v] for v in values),
+                                                tuple(ev[v] for v in live), name), traced.root)
+        blocks.append(Block(_label(seg), module))
         start, values = i + 1, live
     return blocks
+
+
+@dataclass(frozen=True)
+class _EvalGraph:
+    """The eval-mode trace: its module, each train-mode node's counterpart, the nodes whose arguments differ."""
+
+    module: torch.fx.GraphModule
+    nodes: dict[torch.fx.Node, torch.fx.Node]
+    differs: frozenset[torch.fx.Node]
+
+
+def _in_eval_mode(traced: Traced) -> _EvalGraph | None:
+    if traced.eval_module is None:
+        return None
+    train, ev = list(traced.module.graph.nodes), list(traced.eval_module.graph.nodes)
+    positions = differing(traced.module.graph, traced.eval_module.graph) or set()
+    return _EvalGraph(traced.eval_module, dict(zip(train, ev)), frozenset(train[i] for i in positions))
 
 
 def chosen_points(points: list[Point]) -> list[int]:
@@ -354,8 +379,7 @@ def _segment(
             env[n] = g.node_copy(n, arg)
         return env[n]
 
-    for n in seg:
-        env[n] = g.node_copy(n, arg)
+    copy_nodes(g, seg, env, arg)
     g.output(arg(dst[0]) if len(dst) == 1 else tuple(arg(v) for v in dst))
     return torch.fx.GraphModule(traced, g, class_name=f"{name}Block")
 
@@ -370,114 +394,3 @@ def module_mode(model: nn.Module, training: bool) -> Iterator[None]:
     finally:
         for m, t in flags:
             m.training = t
-
-
-_INPLACE_LEAF = "leaf Variable that requires grad is being used in an in-place operation"
-
-
-def mutates_input(err: BaseException) -> bool:
-    """Is ``err`` autograd refusing an in-place op on a stage's leaf input?"""
-    return isinstance(err, RuntimeError) and _INPLACE_LEAF in str(err)
-
-
-def check_chain(model: nn.Module, blocks: list[Block], sample: torch.Tensor) -> list[bool]:
-    """Check that the blocks compute ``model(sample)``; return which blocks modify their input (:func:`changes_input`).
-
-    Runs in eval mode (deterministic) and catches a model that looks like a
-    known structure but whose forward does something else, and blocks that
-    return what cannot pass a boundary (not a tensor or a tuple of tensors).
-    A model output with NaN/inf cannot be compared, so it is refused as such
-    (naming where the NaN/inf first appears) rather than passed unchecked.
-    """
-    first_bad: str | None = None  # the first block whose output is not finite
-    # The model and the chain each on a copy: a forward may change its input in place.
-    with module_mode(model, training=False), torch.no_grad():
-        ref = model(sample.clone())
-        y: Value = sample.clone()
-        for i, b in enumerate(blocks):
-            y = b.module(y)
-            if not is_value(y) or (i == len(blocks) - 1 and not isinstance(y, torch.Tensor)):
-                raise CutError(
-                    f"block '{b.name}' of {type(model).__name__} returns {type(y).__name__}, not a tensor"
-                    f"{'' if i == len(blocks) - 1 else ' or a tuple of tensors'}; only those pass between stages"
-                )
-            if first_bad is None and not all(_finite(t) for t in tensors(y)):
-                first_bad = b.name
-    assert isinstance(y, torch.Tensor)
-    _check_output(model, ref, sample, first_bad)
-    if ref.shape != y.shape or not torch.allclose(ref.float(), y.float(), rtol=1e-4, atol=1e-5):
-        raise CutError(
-            f"{type(model).__name__}.forward is not the chain of its blocks "
-            f"({', '.join(b.name for b in blocks[:6])}{', ...' if len(blocks) > 6 else ''}): "
-            f"running them in order gives a different result"
-        )
-    return changes_input(model, blocks, sample)
-
-
-def changes_input(model: nn.Module, blocks: list[Block], sample: torch.Tensor) -> list[bool]:
-    """Which blocks modify their input in place as they train, so that a stage starting with one gives it a copy.
-
-    The blocks run as stages train them: train mode, gradients on, each
-    block after the first on a fresh leaf that requires grad. Eval mode
-    would hide some (``Dropout(inplace=True)`` does nothing there), and so
-    would ``no_grad`` (an engine whose first call is inference plans under
-    it, where autograd lets an in-place change of a leaf pass). Reported: a
-    block that modifies its leaf input (``ReLU(inplace=True)`` right after a
-    cut), a first block that changes the batch (its stage copies each
-    microbatch, and the user's batch is left as it was), and a block that
-    hands its input on as it is (an ``Identity``, a view) to one that
-    modifies it, as the same input reaches that one. Runs on a copy of
-    ``sample``, and puts back buffers, ``.grad`` and the RNG: the user's
-    model, batch and generators are left as they were.
-    """
-    flags: list[bool] = []
-    passes: list[bool] = []  # the block returns its input itself, or a view of it
-    with preserved_state(model, [sample.device]), module_mode(model, training=True), torch.enable_grad():
-        y: Value = sample.clone()
-        for i, b in enumerate(blocks):
-            x = leaf(y, i > 0)
-            versions = [t._version for t in tensors(x)]
-            try:
-                y = b.module(x)
-                # A change autograd lets pass (the first block's input, which needs no gradient; an integer
-                # tensor) shows in the version counter.
-                flags.append(any(t._version != v for t, v in zip(tensors(x), versions)))
-            except RuntimeError as e:
-                if not mutates_input(e):
-                    raise
-                y = b.module(map_tensors(x, torch.clone))
-                flags.append(True)
-            passes.append(any(t is u or t._base is u for t in tensors(y) for u in tensors(x)))
-    for i in range(len(flags) - 2, -1, -1):
-        flags[i] = flags[i] or (passes[i] and flags[i + 1])
-    return flags
-
-
-def _finite(t: torch.Tensor) -> bool:
-    return not t.is_floating_point() or bool(torch.isfinite(t).all())
-
-
-def _check_output(model: nn.Module, ref: object, sample: torch.Tensor, first_bad: str | None) -> None:
-    """Refuse a model output that cannot be compared with the chain's: not a tensor, or not finite."""
-    name = type(model).__name__
-    if not isinstance(ref, torch.Tensor):
-        raise CutError(
-            f"{name}.forward returns {type(ref).__name__}, not a single tensor, so it cannot be cut into "
-            f"stages (a loss_fn that takes it still works on one stage)",
-            "wrap the model so that its forward returns one tensor",
-        )
-    if _finite(ref):
-        return
-    bad = int((~torch.isfinite(ref)).sum())
-    if not _finite(sample):
-        where = "the batch itself holds NaN/inf"
-    elif first_bad is not None:
-        where = f"they first appear in the output of block '{first_bad}'"
-    else:
-        where = "the blocks run one by one stay finite, so the model's forward does more than its blocks"
-    raise ValueError(
-        f"{name}'s output on the batch it is planned on is not finite ({bad} of {ref.numel()} values are "
-        f"NaN/inf; {where}), so pipedp cannot check that its blocks compute the model. To proceed, check "
-        f"the data and the model's initialisation, or plan on a finite batch with wrap(..., sample=<batch>), "
-        f"or use stages=1 (no pipeline cut, no check)"
-    )

@@ -15,7 +15,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .blocks import CutError, Point, blocks_of, carried, check_chain, fx_blocks, is_resnet, traced_points
+from .blocks import CutError, Point, blocks_of, carried, fx_blocks, is_resnet, traced_points
+from .check import check_chain
 
 __all__ = ["CutReport", "inspect_cut"]
 

@@ -16,6 +16,15 @@ their own Python running at every call):
 * children that fx cannot trace (shape-dependent Python, asserts on
   values): found by tracing each child alone, after the whole model failed.
 
+Two things fx does not record are recorded here. Grad mode: each node
+carries ``meta["grad"]``, whether gradients were on where it was traced (a
+``torch.no_grad()`` region inside forward traces as plain nodes, and blocks
+cut from them must switch gradients off there again: :mod:`.modes`). The
+root's own train/eval branching (timm's ``F.dropout(x, p,
+training=self.training)`` in ``forward_head``), which no leaf can hold: the
+forward is traced in both modes, and the eval-mode graph is kept where it
+differs.
+
 Inputs after the first that have defaults are held at their defaults
 (``concrete_args``), so a ``forward(x, mask=None)`` traces with one input.
 """
@@ -32,7 +41,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["trace", "Traced", "leaf_reason"]
+from .modes import differing
+
+__all__ = ["trace", "Traced", "leaf_reason", "ModeError"]
 
 # torch.nn classes that hold other modules: their subclasses are traced through, not kept whole.
 _CONTAINERS = (nn.Module, nn.Sequential, nn.ModuleList, nn.ModuleDict)
@@ -71,28 +82,33 @@ def leaf_reason(module: nn.Module, timm_modules: tuple[type, ...] = ()) -> str |
 
 @functools.cache
 def _own_source(cls: type) -> str:
-    forward = cls.__dict__.get("forward")
-    if forward is None:
-        for base in cls.__mro__[1:]:
-            if base is nn.Module or _from_torch_nn(base):
-                return ""
-            forward = base.__dict__.get("forward")
-            if forward is not None:
-                break
-    if forward is None:
-        return ""
-    try:
-        return inspect.getsource(forward)
-    except (OSError, TypeError):
-        return ""
+    """The source of the methods ``cls`` and its bases above nn.Module define (a forward may call a helper)."""
+    parts = []
+    for base in cls.__mro__:
+        if base is nn.Module or _from_torch_nn(base) or base is object:
+            break
+        for value in base.__dict__.values():
+            if inspect.isfunction(value):
+                try:
+                    parts.append(inspect.getsource(value))
+                except (OSError, TypeError):
+                    continue
+    return "\n".join(parts)
+
+
+class ModeError(ValueError):
+    """The root's forward runs other operations in eval mode than in train mode: no one graph serves both."""
 
 
 @dataclass(frozen=True)
 class Traced:
-    """The traced forward, and the modules kept whole beyond torch.nn's own layers (qualified name: why)."""
+    """The traced forward (train mode), the modules kept whole beyond torch.nn's own layers (qualified name:
+    why), and the eval-mode graph where it differs from the train-mode one in arguments only (node for node)."""
 
     module: torch.fx.GraphModule
     kept_whole: dict[str, str]
+    eval_module: torch.fx.GraphModule | None
+    root: nn.Module  # the model traced: its own flag says which graph a block runs
 
 
 class _Tracer(torch.fx.Tracer):
@@ -102,6 +118,11 @@ class _Tracer(torch.fx.Tracer):
         self.whole = {id(m) for m in whole}
         self.timm_modules = timm_modules
         self.kept: dict[str, str] = {}
+
+    def create_node(self, *args: object, **kwargs: object) -> torch.fx.Node:
+        node = super().create_node(*args, **kwargs)  # type: ignore[arg-type]
+        node.meta["grad"] = torch.is_grad_enabled()
+        return node
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         why = "fx cannot trace it" if id(m) in self.whole else leaf_reason(m, self.timm_modules)
@@ -142,10 +163,14 @@ def _untraceable(model: nn.Module, tracer: Callable[[Iterable[nn.Module]], _Trac
 
 
 def trace(model: nn.Module) -> Traced:
-    """``model``'s forward as an fx graph, with the leaves of the module doc kept whole.
+    """``model``'s forward as fx graphs (train mode, and eval mode where it differs), leaves kept whole.
 
-    Raises what fx raised when the model cannot be traced even with every
-    untraceable child kept whole (the root's own forward is the problem).
+    Traced with gradients on, so that ``meta["grad"]`` marks exactly the
+    nodes of the forward's own no-grad regions. Every module's mode is put
+    back after. Raises what fx raised when the model cannot be traced even
+    with every untraceable child kept whole (the root's own forward is the
+    problem), and :class:`ModeError` when the eval-mode forward runs other
+    operations than the train-mode one.
     """
     timm_modules, functions = _timm_notrace()
 
@@ -153,17 +178,39 @@ def trace(model: nn.Module) -> Traced:
         return _Tracer(whole, timm_modules, functions)
 
     concrete = _defaults(model) or None
-    t = tracer(())
+    held = set(concrete or ())
+    flags = [(m, m.training) for m in model.modules()]
     try:
-        graph = t.trace(model, concrete_args=concrete)
-    except Exception:  # noqa: BLE001
-        whole = _untraceable(model, tracer)
-        if not whole:
-            raise
-        t = tracer(whole)
-        graph = t.trace(model, concrete_args=concrete)
-    _drop_held_inputs(graph, set(concrete or ()))
-    return Traced(torch.fx.GraphModule(model, graph, class_name=type(model).__name__), t.kept)
+        with torch.enable_grad():
+            model.train()
+            t, whole = tracer(()), list[nn.Module]()
+            try:
+                graph = t.trace(model, concrete_args=concrete)
+            except Exception:  # noqa: BLE001
+                whole = _untraceable(model, tracer)
+                if not whole:
+                    raise
+                t = tracer(whole)
+                graph = t.trace(model, concrete_args=concrete)
+            model.eval()
+            try:
+                other = tracer(whole).trace(model, concrete_args=concrete)
+            except Exception as e:  # noqa: BLE001 - whatever user code raises on proxies
+                raise ModeError(f"torch.fx traced {type(model).__name__}.forward in train mode but not in eval mode: "
+                                f"{type(e).__name__}: {e}") from e
+    finally:
+        for m, mode in flags:
+            m.training = mode
+    for g in (graph, other):
+        _drop_held_inputs(g, held)
+    name = type(model).__name__
+    differs = differing(graph, other)
+    if differs is None:
+        raise ModeError(
+            f"{name}.forward runs other operations in eval mode than in train mode (it branches on self.training "
+            f"outside any submodule), so blocks traced in one mode would compute the other wrongly")
+    eval_module = torch.fx.GraphModule(model, other, class_name=name) if differs else None
+    return Traced(torch.fx.GraphModule(model, graph, class_name=name), t.kept, eval_module, model)
 
 
 def _drop_held_inputs(graph: torch.fx.Graph, held: set[str]) -> None:

@@ -5,7 +5,8 @@ from pipedp.decide import Config
 from pipedp.decide.clocks import DeviceClock
 from pipedp.lower import Parts
 from pipedp.options import PipelineOptions, TrainingOptions
-from pipedp.partition.blocks import blocks_of, check_chain
+from pipedp.partition.blocks import blocks_of
+from pipedp.partition.check import check_chain
 from tests.reference import clone, max_diff, sequential_cnn
 
 CPU = [torch.device("cpu")]

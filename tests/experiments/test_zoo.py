@@ -16,7 +16,8 @@ from torch import nn
 
 import pipedp
 from experiments import zoo
-from pipedp.partition.blocks import CutError, blocks_of, check_chain
+from pipedp.partition.blocks import CutError, blocks_of
+from pipedp.partition.check import check_chain
 from tests.reference import clone, max_diff, plain_steps
 
 TOL = 1e-5

@@ -2,7 +2,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipedp.partition.blocks import blocks_of, check_chain
+from pipedp.partition.blocks import blocks_of
+from pipedp.partition.check import check_chain
 from pipedp.partition.trace import leaf_reason, trace
 
 
