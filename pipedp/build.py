@@ -141,7 +141,8 @@ def build_pipeline(model: nn.Module, batch: torch.Tensor, options: PipelineOptio
     if training.channels_last == "auto":  # trials may have left the model in either layout
         set_layout(model, decision.channels_last)
     counts, notes = list(decision.counts), [*uncut, *decision.notes]
-    sizes = microbatch.sizes(batch.shape[0], decision.microbatches)
+    # The deciding rank's microbatches, as this rank's batch runs them (a small one with fewer, as every step).
+    sizes = microbatch.sizes(batch.shape[0], microbatch.count(batch.shape[0], decision.microbatches))
     bad = [i for i in training.recompute if i >= len(counts)] if not isinstance(training.recompute, bool) else []
     if bad:  # checked on the cut, not on the trial cuts of stages="auto"
         raise ValueError(

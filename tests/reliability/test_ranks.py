@@ -101,3 +101,23 @@ def test_unequal_batches_train_as_one_process_on_the_global_batch():
         for name, p in ref.named_parameters():
             assert (res["params"][name] - p.detach()).abs().max().item() <= TOL, name
     assert all(torch.equal(results[0]["params"][n], results[1]["params"][n]) for n in results[0]["params"])
+
+
+def _small_first_batch(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    engine = _engine(_mlp())  # 2 microbatches, planned on a first batch rank 1 has 1 sample of
+    for x, y in _batches(9, steps=2):
+        part = slice(0, 8) if rank == 0 else slice(8, 9)
+        engine.train_step(x[part], y[part])
+    return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+def test_a_first_batch_too_small_for_the_microbatches_on_one_rank_trains_as_later_steps_do():
+    """Issue 43, case 7: a first batch split 8 + 1 planned with 2 microbatches: rank 1 used to refuse it at
+    planning (and rank 0 then failed its all-reduce); it runs 1 microbatch there, as a later step would."""
+    results = multiproc.run(_small_first_batch, 2)
+    torch.manual_seed(0)
+    ref = plain_steps(_mlp(), _batches(9, steps=2), microbatches=1, lr=0.1)  # no BatchNorm: the global batch
+    for name, p in ref.named_parameters():
+        assert (results[0][name] - p.detach()).abs().max().item() <= TOL, name
+    assert all(torch.equal(results[0][n], results[1][n]) for n in results[0])
