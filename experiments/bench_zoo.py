@@ -1,7 +1,7 @@
 """Benchmark: the model zoo (torchvision's CNNs, a fixed sample of timm's families) through pipedp.
 
-For each model of :mod:`experiments.zoo` (random init, random layers off,
-batch 8 of 64x64 images, CPU):
+For each model of :mod:`experiments.zoo` (random init, random layers on as
+users build them, batch 8 of 64x64 images, CPU):
 
 * ``wraps``: ``pipedp.wrap(model, optimizer=..., loss_fn=...)`` with default
   options trains a step (and why not), with the seconds it took to plan
@@ -10,10 +10,15 @@ batch 8 of 64x64 images, CPU):
   why), the number of blocks;
 * ``balance2`` / ``balance4``: slowest stage over the mean for the optimal cut
   into 2 and 4 stages of the profiled block times (1.0 is perfect);
-* ``exact2`` / ``exact4``: the largest parameter or buffer difference after two
-  SGD-momentum steps with 2 stages x 2 microbatches and 4 stages x 4
-  microbatches against plain PyTorch with the same microbatches (the
-  contract: <= 1e-5).
+* ``exact1``: random layers on, all blocks in one stage x 2 microbatches: the
+  largest parameter or buffer difference after two SGD-momentum steps
+  against plain PyTorch with the same microbatches and seed (the one-stage
+  contract for random layers: the same masks, <= 1e-5);
+* ``repeat2``: random layers on, 2 stages x 2 microbatches, run twice from
+  one seed: the difference (the several-stage contract: bit for bit, 0);
+* ``exact2`` / ``exact4``: the same model with its dropout and drop-path
+  rates set to 0 (:func:`experiments.zoo.quiet`), 2 stages x 2 microbatches
+  and 4 x 4 against plain PyTorch with the same microbatches (<= 1e-5).
 
     python -m experiments.bench_zoo --out experiments/results/zoo_cpu.json --md experiments/results/zoo_cpu.md
     python -m experiments.bench_zoo --library timm --models resnet18,mixnet_s
@@ -59,19 +64,33 @@ def _diff(a: nn.Module, b: nn.Module) -> float:
                default=0.0)
 
 
-def _exact(make: Callable[[], nn.Module], batches, stages: int) -> float:
-    """Max difference after two steps with ``stages`` stages x ``stages`` microbatches against plain training."""
+def _trained(make: Callable[[], nn.Module], batches, stages: int | list[int], microbatches: int,
+             seed: int = 0) -> nn.Module:
+    """A model from ``make`` (seeded) after two pipedp steps with ``stages``, the generator seeded before them."""
     torch.manual_seed(0)
     model = make()
-    ref = make()
-    ref.load_state_dict(model.state_dict())
     engine = pipedp.wrap(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                         loss_fn=nn.CrossEntropyLoss(), stages=stages, microbatches=stages, profile=False,
+                         loss_fn=nn.CrossEntropyLoss(), stages=stages, microbatches=microbatches, profile=False,
                          progress=False)
+    torch.manual_seed(seed)
     for x, y in batches:
         engine.train_step(x, y)
-    _plain(ref, batches, stages)
+    return model
+
+
+def _exact(make: Callable[[], nn.Module], batches, stages: int | list[int], microbatches: int) -> float:
+    """Max difference after two steps with ``stages`` against plain training with the same microbatches."""
+    model = _trained(make, batches, stages, microbatches)
+    torch.manual_seed(0)
+    ref = make()
+    torch.manual_seed(0)
+    _plain(ref, batches, microbatches)
     return _diff(model, ref)
+
+
+def _repeat(make: Callable[[], nn.Module], batches, stages: int) -> float:
+    """Difference between two runs with ``stages`` stages x ``stages`` microbatches from one seed."""
+    return _diff(_trained(make, batches, stages, stages), _trained(make, batches, stages, stages))
 
 
 def _ratio(costs: list[float], stages: int) -> float | None:
@@ -115,17 +134,32 @@ def one(library: str, name: str) -> dict[str, object]:
     costs = [p.cost_ms for p in profile_blocks(blocks, batches[0][0][: BATCH // 2], progress=False, repeats=2,
                                                  copy_input=flags)]
     row["balance2"], row["balance4"] = _ratio(costs, 2), _ratio(costs, 4)
-    for s in (2, 4):
+    quiet = zoo.build(library, name, random_layers=False)
+    checks: dict[str, Callable[[], float]] = {
+        "exact1": lambda: _exact(make, batches, [len(blocks)], 2),
+        "repeat2": lambda: _repeat(make, batches, 2),
+        "exact2": lambda: _exact(quiet, batches, 2, 2),
+        "exact4": lambda: _exact(quiet, batches, 4, 4),
+    }
+    for key, check in checks.items():
         try:
-            row[f"exact{s}"] = _exact(make, batches, s)
+            row[key] = check()
         except Exception as e:  # noqa: BLE001
-            row[f"exact{s}"], row[f"error{s}"] = None, f"{type(e).__name__}: {e}"[:400]
+            row[key], row[f"error_{key}"] = None, f"{type(e).__name__}: {e}"[:400]
     return row
 
 
-def _ok(row: dict[str, object], s: int) -> bool:
-    v = row.get(f"exact{s}")
-    return isinstance(v, float) and v <= TOL
+def _ok(row: dict[str, object], key: str) -> bool:
+    v = row.get(key)
+    return isinstance(v, float) and v <= (0.0 if key.startswith("repeat") else TOL)
+
+
+_CHECKS = ("exact1", "repeat2", "exact2", "exact4")
+
+
+def _error(row: dict[str, object]) -> str:
+    return str(row.get("wrap_error") or row.get("why_not_cut")
+               or next((row[f"error_{k}"] for k in _CHECKS if row.get(f"error_{k}")), ""))
 
 
 def summary(rows: list[dict[str, object]]) -> dict[str, object]:
@@ -133,31 +167,35 @@ def summary(rows: list[dict[str, object]]) -> dict[str, object]:
     for lib in sorted({str(r["library"]) for r in rows}):
         mine = [r for r in rows if r["library"] == lib]
         out[lib] = {"models": len(mine), "wraps": sum(bool(r.get("wraps")) for r in mine),
-                    "cut": sum(bool(r.get("cut")) for r in mine),
-                    "exact2": sum(_ok(r, 2) for r in mine), "exact4": sum(_ok(r, 4) for r in mine)}
+                    "cut": sum(bool(r.get("cut")) for r in mine), **{k: sum(_ok(r, k) for r in mine) for k in _CHECKS}}
     return out
 
 
 def markdown(rows: list[dict[str, object]], machine: dict[str, object]) -> str:
     lines = [f"Machine: {machine}; batch {BATCH}, 64x64 (Inceptions 96x96, timm's fixed-size models theirs), fp32; "
-             f"exact: max difference after 2 steps vs plain PyTorch with the same microbatches (contract <= {TOL:g}); "
+             f"random layers on as users build them (torchvision's defaults; timm with {zoo.TIMM_DROP}); "
+             f"exact: max difference after 2 steps vs plain PyTorch with the same microbatches (contract <= {TOL:g}): "
+             f"exact 1 with random layers on (one stage of all blocks x 2, one seed), exact 2 / exact 4 with their "
+             f"rates set to 0; repeat 2: two runs of 2 stages with random layers on from one seed (contract 0); "
              f"rows marked * were run again by name after the full run (`--update`).", "",
              "| library | model | M params | wraps (defaults) | plan s | cut | blocks | 2-stage balance | "
-             "4-stage balance | exact 2 | exact 4 | why not |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "4-stage balance | exact 1 | repeat 2 | exact 2 | exact 4 | why not |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def f(v: object, fmt: str = "{:.2f}") -> str:
         return "" if v is None else fmt.format(v) if isinstance(v, float) else str(v)
 
     for r in rows:
-        why = r.get("wrap_error") or r.get("why_not_cut") or r.get("error2") or r.get("error4") or ""
+        checks = " | ".join(f(r.get(k), "{:.1e}") for k in _CHECKS)
         lines.append(f"| {r['library']} | {r['model']}{' *' if r.get('rerun') else ''} | {f(r.get('params_m'))} | {'yes' if r.get('wraps') else 'no'} "
                      f"| {f(r.get('plan_s'), '{:.1f}')} | {'yes' if r.get('cut') else 'no'} | {f(r.get('blocks'))} "
-                     f"| {f(r.get('balance2'))} | {f(r.get('balance4'))} | {f(r.get('exact2'), '{:.1e}')} "
-                     f"| {f(r.get('exact4'), '{:.1e}')} | {str(why).replace('|', '/')[:160]} |")
-    lines += ["", "| library | models | wrap with defaults | cut | exact 2 stages | exact 4 stages |",
-              "|---|---|---|---|---|---|"]
+                     f"| {f(r.get('balance2'))} | {f(r.get('balance4'))} | {checks} "
+                     f"| {_error(r).replace('|', '/')[:160]} |")
+    lines += ["", "| library | models | wrap with defaults | cut | exact 1 stage (random on) | repeat 2 stages "
+              "(random on) | exact 2 stages | exact 4 stages |", "|---|---|---|---|---|---|---|---|"]
     for lib, s in summary(rows).items():
-        lines.append(f"| {lib} | {s['models']} | {s['wraps']} | {s['cut']} | {s['exact2']} | {s['exact4']} |")
+        lines.append(f"| {lib} | {s['models']} | {s['wraps']} | {s['cut']} | "
+                     + " | ".join(str(s[k]) for k in _CHECKS) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -197,8 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         row["rerun"] = bool(kept)
         rows.append(row)
         print(f"[{i}/{len(todo)}] {lib} {name}: wraps={row.get('wraps')} cut={row.get('cut')} "
-              f"exact2={row.get('exact2')} exact4={row.get('exact4')} ({row['seconds']} s) "
-              f"{row.get('wrap_error') or row.get('why_not_cut') or row.get('error2') or ''}"[:300], flush=True)
+              + " ".join(f"{k}={row.get(k)}" for k in _CHECKS) + f" ({row['seconds']} s) {_error(row)}"[:300],
+              flush=True)
         done = {(r["library"], r["model"]) for r in rows}
         merged = [r for r in kept if (r["library"], r["model"]) not in done] + rows
         order = {(lib, n): k for k, (lib, n) in enumerate(_all())}

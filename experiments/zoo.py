@@ -1,9 +1,15 @@
 """The model zoo pipedp is checked on: torchvision's classification CNNs and a fixed sample of timm's families.
 
 One list for the zoo tests and the zoo benchmark. Each model is built from
-its library's own builder with random init, its random layers switched off
-through the builder's own arguments (dropout, stochastic depth), as the
-exactness checks need.
+its library's own builder with random init and random layers on, as users
+build them: torchvision's builders with their default arguments (dropout,
+stochastic depth as set there; GoogLeNet and Inception-v3 without their
+auxiliary heads, which need a loss of their own), timm's with the dropout
+and drop path that training recipes set (``drop_rate=0.2,
+drop_path_rate=0.1``, where the model takes them; timm's own defaults are 0).
+:func:`quiet` sets those rates to 0 on a built model, structure unchanged,
+for the checks that compare several stages with plain training (across
+stages masks are drawn in the schedule's order, not plain PyTorch's).
 
 The registry's torchvision wheels are CUDA builds: their compiled operators
 (``torchvision::nms``, ``roi_align``, ...) do not load beside a CPU-only torch,
@@ -24,30 +30,30 @@ from typing import Callable
 
 from torch import nn
 
-__all__ = ["TORCHVISION", "TRANSFORMERS", "TOO_BIG", "TIMM", "torchvision_models", "timm", "build", "input_size"]
+__all__ = ["TORCHVISION", "TRANSFORMERS", "TOO_BIG", "TIMM", "TIMM_DROP", "torchvision_models", "timm", "build",
+           "input_size", "quiet"]
 
-_NO_DROP = {"dropout": 0.0}
-_EFFICIENT = {"dropout": 0.0, "stochastic_depth_prob": 0.0}
 # torchvision: every classification CNN builder (its transformers, vit/swin/maxvit, are not CNNs), with the
-# arguments that switch off its random layers.
+# arguments it needs beyond the defaults (none but the Inceptions': their auxiliary heads return tuples).
 TORCHVISION: dict[str, dict[str, object]] = {
-    "alexnet": _NO_DROP, "squeezenet1_0": _NO_DROP, "squeezenet1_1": _NO_DROP,
-    **{f"vgg{d}{bn}": _NO_DROP for d in (11, 13, 16, 19) for bn in ("", "_bn")},
-    "googlenet": {"aux_logits": False, "dropout": 0.0, "init_weights": True},
-    "inception_v3": {"aux_logits": False, "dropout": 0.0, "init_weights": True},
+    "alexnet": {}, "squeezenet1_0": {}, "squeezenet1_1": {},
+    **{f"vgg{d}{bn}": {} for d in (11, 13, 16, 19) for bn in ("", "_bn")},
+    "googlenet": {"aux_logits": False, "init_weights": True},
+    "inception_v3": {"aux_logits": False, "init_weights": True},
     **{f"resnet{d}": {} for d in (18, 34, 50, 101, 152)},
     "resnext50_32x4d": {}, "resnext101_32x8d": {}, "resnext101_64x4d": {},
     "wide_resnet50_2": {}, "wide_resnet101_2": {},
     **{f"densenet{d}": {} for d in (121, 161, 169, 201)},
-    "mobilenet_v2": _NO_DROP, "mobilenet_v3_small": _NO_DROP, "mobilenet_v3_large": _NO_DROP,
-    **{f"mnasnet{w}": _NO_DROP for w in ("0_5", "0_75", "1_0", "1_3")},
+    "mobilenet_v2": {}, "mobilenet_v3_small": {}, "mobilenet_v3_large": {},
+    **{f"mnasnet{w}": {} for w in ("0_5", "0_75", "1_0", "1_3")},
     **{f"shufflenet_v2_x{w}": {} for w in ("0_5", "1_0", "1_5", "2_0")},
-    **{f"efficientnet_b{i}": _EFFICIENT for i in range(8)},
-    **{f"efficientnet_v2_{s}": _EFFICIENT for s in "sml"},
+    **{f"efficientnet_b{i}": {} for i in range(8)},
+    **{f"efficientnet_v2_{s}": {} for s in "sml"},
     **{f"regnet_{k}_{f}": {} for k in "xy" for f in ("400mf", "800mf", "1_6gf", "3_2gf", "8gf", "16gf", "32gf")},
     "regnet_y_128gf": {},
-    **{f"convnext_{s}": {"stochastic_depth_prob": 0.0} for s in ("tiny", "small", "base", "large")},
+    **{f"convnext_{s}": {} for s in ("tiny", "small", "base", "large")},
 }
+TIMM_DROP = {"drop_rate": 0.2, "drop_path_rate": 0.1}  # as timm's train.py recipes pass them (--drop, --drop-path)
 TRANSFORMERS = ("vit_", "swin_", "maxvit_")
 # The largest members of their families (43M to 644M parameters): the zoo runs on 2 cores hold two or three
 # copies of each and take a minute or more per model, so they are left out of the default runs; every family is
@@ -120,19 +126,43 @@ def input_size(library: str, name: str) -> int:
     return 64
 
 
-def build(library: str, name: str, classes: int = 10) -> Callable[[], nn.Module]:
-    """A builder of the named model, random init, random layers off."""
+def build(library: str, name: str, classes: int = 10, *, random_layers: bool = True) -> Callable[[], nn.Module]:
+    """A builder of the named model, random init, random layers on (see the module doc), or set to 0."""
     if library == "torchvision":
         models = torchvision_models()
-        return lambda: models.get_model(name, num_classes=classes, **TORCHVISION[name])
-    lib = timm()
 
-    def make() -> nn.Module:
-        for off in ({"drop_rate": 0.0, "drop_path_rate": 0.0}, {"drop_rate": 0.0}):
-            try:
-                return lib.create_model(name, pretrained=False, num_classes=classes, **off)
-            except TypeError:
-                continue
-        return lib.create_model(name, pretrained=False, num_classes=classes)
+        def make() -> nn.Module:
+            return models.get_model(name, num_classes=classes, **TORCHVISION[name])
+    else:
+        lib = timm()
 
-    return make
+        def make() -> nn.Module:
+            for drop in (TIMM_DROP, {"drop_rate": TIMM_DROP["drop_rate"]}):
+                try:
+                    return lib.create_model(name, pretrained=False, num_classes=classes, **drop)
+                except TypeError:  # a model without drop path (or without either)
+                    continue
+            return lib.create_model(name, pretrained=False, num_classes=classes)
+
+    return make if random_layers else lambda: quiet(make())
+
+
+_RATES = ("p", "drop_prob", "drop_rate", "dropout", "drop_path_rate")
+
+
+def quiet(model: nn.Module) -> nn.Module:
+    """``model`` with every dropout and drop-path rate set to 0 in place (its structure as built); returns it.
+
+    The rates are attributes the layers read at each call: torch's dropout
+    modules' and torchvision's ``StochasticDepth``'s ``p``, timm's
+    ``DropPath``/``DropBlock`` ``drop_prob``, and the ``drop_rate`` a timm
+    model's own forward passes to ``F.dropout``.
+    """
+    for m in model.modules():
+        random = isinstance(m, nn.modules.dropout._DropoutNd) or "drop" in type(m).__name__.lower() or (
+            type(m).__name__ == "StochasticDepth")
+        for attr in _RATES:
+            value = getattr(m, attr, None)
+            if isinstance(value, float) and (random or attr != "p"):
+                setattr(m, attr, 0.0)
+    return model
