@@ -13,7 +13,7 @@ from .distributed import DEFAULT_TIMEOUT_S
 from .engine import Engine
 from .optimizer import OptimizerSpec
 from .options import (
-    DEFAULT_BUCKET_MB, ConcurrencyOptions, DataParallelOptions, KernelOptions, MicrobatchSpec, PipelineOptions,
+    DEFAULT_BUCKET_MB, ConcurrencyOptions, GradHook, DataParallelOptions, KernelOptions, MicrobatchSpec, PipelineOptions,
     RecomputeSpec, TrainingOptions,
 )
 from .partition.report import CutReport, inspect_cut
@@ -34,7 +34,7 @@ def wrap(
     *,
     optimizer: OptimizerSpec = None,
     loss_fn: LossFn | None = None,
-    microbatches: MicrobatchSpec = 4,
+    microbatches: MicrobatchSpec = None,
     stages: StagesSpec = "auto",
     schedule: str = "1f1b",
     devices: DeviceSpec = None,
@@ -63,6 +63,7 @@ def wrap(
     compile: bool | str = False,
     clip_grad_norm: float | None = None,
     recompute: RecomputeSpec = False,
+    grad_hook: GradHook | None = None,
     branches: bool = False,
     split_grads: bool = False,
     early_update: bool = False,
@@ -97,7 +98,7 @@ def wrap(
         kernels=KernelOptions(mode=kernels, db=kernel_db),
         training=TrainingOptions(
             precision=precision, channels_last=channels_last, compile=compile, clip_grad_norm=clip_grad_norm,
-            recompute=recompute,
+            recompute=recompute, grad_hook=grad_hook,
         ),
         concurrency=ConcurrencyOptions(branches=branches, split_grads=split_grads, early_update=early_update),
         sample=sample,

@@ -26,6 +26,7 @@ from torch import nn
 
 from .comm import Communicator
 from .decide.choose import decide, microbatch_choices
+from .decide.coupling import batch_coupled, contract, kept_note, resolve_microbatches
 from .decide.cut import build_plan, stage_devices
 from .decide.config import Config
 from .decide.decision import Decision
@@ -118,11 +119,13 @@ def build_pipeline(model: nn.Module, batch: torch.Tensor, options: PipelineOptio
     # executor's copy lanes compare and key devices, and ``cuda`` != ``cuda:0``.
     devices = [canonical_device(d) for d in devices]
     first = devices[0]
+    coupled = batch_coupled(model)  # as the user left it: before planning sets modes of its own
     model.to(first)
     if training.channels_last is True:
         set_layout(model, True)
     batch = in_layout(batch, training.channels_last is True)
-    sizes = microbatch.sizes(batch.shape[0], _largest_choice(options, batch.shape[0]))
+    spec = resolve_microbatches(options.microbatches, options.stages, coupled)
+    sizes = microbatch.sizes(batch.shape[0], max(microbatch_choices(spec, batch.shape[0]), default=1))
     sample = batch[: sizes[0]].to(first)
     parts, uncut = _parts(model, sample, options, comm)
     # Every rank must run the same plan: the first rank decides, the others follow.
@@ -131,7 +134,7 @@ def build_pipeline(model: nn.Module, batch: torch.Tensor, options: PipelineOptio
     try:
         profiles, decision = comm.decide(
             lambda: decide(parts, model, sample, batch, devices, options, comm, training, concurrency, measure,
-                           warm=warm, given=given, kernels=kernels))
+                           warm=warm, given=given, kernels=kernels, coupled=coupled))
     except BaseException:
         if kernels is not None:  # trials may have switched them: as wrap left them
             kernels.use(was)
@@ -140,7 +143,8 @@ def build_pipeline(model: nn.Module, batch: torch.Tensor, options: PipelineOptio
         kernels.use(decision.kernels)
     if training.channels_last == "auto":  # trials may have left the model in either layout
         set_layout(model, decision.channels_last)
-    counts, notes = list(decision.counts), [*uncut, *decision.notes]
+    counts = list(decision.counts)
+    notes = [*uncut, *kept_note(options.microbatches, options.stages, coupled), *decision.notes]
     # The deciding rank's microbatches, as this rank's batch runs them (a small one with fewer, as every step).
     sizes = microbatch.sizes(batch.shape[0], microbatch.count(batch.shape[0], decision.microbatches))
     bad = [i for i in training.recompute if i >= len(counts)] if not isinstance(training.recompute, bool) else []
@@ -164,7 +168,7 @@ def build_pipeline(model: nn.Module, batch: torch.Tensor, options: PipelineOptio
     plan = build_plan(
         profiles, decision, devices, microbatch_size=sizes[0], schedule=options.schedule,
         batchnorm=options.batchnorm, source="profile" if options.profile else "cost model", notes=notes,
-        ranks=comm.pp, layout=comm.describe(),
+        ranks=comm.pp, layout=comm.describe(), contract=contract(decision.microbatches, coupled),
     )
     if decision.threads is not None:
         shared = batchnorms_in_several([st.chain for st in executor.stages])
@@ -217,11 +221,6 @@ def _parts(model: nn.Module, sample: torch.Tensor, options: PipelineOptions,
         if options.stages != "auto" or comm.pp > 1:
             raise
         return whole, [f"stages=auto: one stage ({e.reason}); to cut it, {e.fix}"]
-
-
-def _largest_choice(options: PipelineOptions, batch: int) -> int:
-    """The most microbatches the plan may have: the first microbatch of that split is what blocks are timed on."""
-    return max(microbatch_choices(options, batch), default=1)
 
 
 def _batchnorm(model: nn.Module, executor: Executor, options: PipelineOptions) -> DeferredBatchNorm | None:

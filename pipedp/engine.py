@@ -26,6 +26,7 @@ from .atomic import require_folder
 from .build import Pipeline, build_pipeline, sample_batch
 from .comm import communicator
 from .device import resolve_devices
+from .decide.coupling import Resolved, batch_coupled, resolve_microbatches
 from .decide.cut import AUTO_MICROBATCHES
 from .decide.layout import Layout as WorldLayout
 from .decide.rules import check_rules
@@ -36,7 +37,7 @@ from .optimizer import OptimizerSpec, check_optimizer, move_optimizer_state
 from .options import (
     ConcurrencyOptions, DataParallelOptions, KernelOptions, MicrobatchSpec, PipelineOptions, TrainingOptions,
 )
-from .partition.blocks import check_materialised, check_one_input
+from .partition.blocks import check_materialised, check_not_wrapped, check_one_input
 from .pipeline import microbatch
 from .pipeline.early_update import EarlyUpdate
 from .pipeline.executor import Executor, StepTimer
@@ -54,6 +55,11 @@ from .world import Trial, WorldChoice, choose_world
 __all__ = ["Engine"]
 
 CHECKPOINT_FORMAT = 2
+
+
+def _world_microbatches(spec: Resolved) -> list[int]:
+    """The microbatch counts ``pp="auto"`` may give its layouts: the resolved request's, or all of auto's."""
+    return list(AUTO_MICROBATCHES) if spec == "auto" else [int(spec)]
 
 
 class Engine:
@@ -85,6 +91,7 @@ class Engine:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        check_not_wrapped(model)
         check_one_input(model)  # one tensor per batch, whatever the stage count
         check_materialised(model)
         self.module = model
@@ -105,7 +112,8 @@ class Engine:
             self.world = choose_world(
                 model, global_batch, self.devices[0], _world_trial(model, self.optimizer, global_batch, opts,
                                                                     dp_options, topts),
-                microbatches=[int(opts.microbatches)] if opts.microbatches != "auto" else AUTO_MICROBATCHES,
+                microbatches=_world_microbatches(resolve_microbatches(opts.microbatches, opts.stages,
+                                                                      batch_coupled(model))),
                 budget_s=opts.plan_budget_s, bucket_bytes=dp_options.bucket_bytes, schedule=opts.schedule,
                 depth=opts.depth)
             sample = global_batch[: global_batch.shape[0] // self.world.layout.dp]  # this replica's batch
@@ -212,7 +220,8 @@ class Engine:
             raise RuntimeError("train_step needs wrap(..., optimizer=..., loss_fn=...)")
         if self._runner is None:
             pipe = self._pipe if self._pipe is not None else self._build(x)
-            grads = GradientStep.of(pipe.executor.stages, self.comm, self.scaler, self.training_options.clip_grad_norm)
+            grads = GradientStep.of(pipe.executor.stages, self.comm, self.scaler, self.training_options.clip_grad_norm,
+                                    self.training_options.grad_hook)
             early = None
             if self.concurrency_options.early_update:
                 ex, side = pipe.executor, pipe.concurrency
@@ -254,11 +263,15 @@ class Engine:
         sync = self._pipe.sync if self._pipe is not None else None
         return sync.stats() if sync is not None and sync.step else None
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, *,
+                   return_outputs: bool = False) -> torch.Tensor | tuple[torch.Tensor, Any]:
         """One optimizer step on the batch ``(x, y)``; returns the batch's loss (mean or sum), detached.
 
         The loss stays on the device (no host sync); call ``.item()`` when needed.
         If the step fails, parameters, optimizer state and buffers are as before.
+        ``return_outputs=True`` returns ``(loss, outputs)``: the model's output
+        for the whole batch as ``loss_fn`` received it, detached (for train
+        accuracy, say); None on a pipeline rank without the last stage.
         """
         if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
             raise TypeError(f"train_step takes tensors (x, y), got {type(x).__name__}, {type(y).__name__}")
@@ -284,13 +297,16 @@ class Engine:
         measuring = 1 <= self.steps <= self.options.measure_steps and full
         clock = Clock(ex.devices) if trace_path is not None else None
         timer = StepTimer(len(ex.stages), clock) if measuring or clock is not None else None
-        loss = runner.step(x, y, self.steps, timer)
+        kept: list[Any] | None = [] if return_outputs else None
+        loss = runner.step(x, y, self.steps, timer, kept)
         if trace_path is not None and timer is not None:
             runner.write_trace(trace_path, timer, self.steps, self.schedule)
         self.steps += 1
         if timer is not None and measuring and not runner.replayed:
             self._timers.append(timer)
-        return loss
+        if kept is None:
+            return loss
+        return loss, microbatch.gather(kept) if kept else None
 
     def trace(self, path: str | os.PathLike) -> None:
         """Record the next :meth:`train_step` and write it to ``path`` as a Chrome/Perfetto trace.

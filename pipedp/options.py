@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Literal, Sequence, Union
 
 import torch
 
@@ -29,13 +29,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PipelineOptions", "DataParallelOptions", "KernelOptions", "TrainingOptions", "ConcurrencyOptions", "DeviceSpec",
-    "StagesSpec", "BATCHNORM_MODES", "DEFAULT_BUCKET_MB", "PRECISIONS", "RecomputeSpec", "MicrobatchSpec",
+    "StagesSpec", "BATCHNORM_MODES", "DEFAULT_BUCKET_MB", "PRECISIONS", "RecomputeSpec", "GradHook", "MicrobatchSpec", "DEFAULT_MICROBATCHES",
 ]
 
 BATCHNORM_MODES = ("microbatch", "batch")
 PRECISIONS = ("fp32", "bf16", "fp16")
 RecomputeSpec = Union[bool, Sequence[int]]
-MicrobatchSpec = Union[int, Literal["auto"]]
+GradHook = Callable[[Sequence[torch.nn.Parameter]], None]  # this rank's parameters, gradients final
+MicrobatchSpec = Union[int, Literal["auto"], None]
+DEFAULT_MICROBATCHES = 4  # what microbatches=None gives a given stage count where no layer couples the batch
 DEFAULT_BUCKET_MB = DEFAULT_BUCKET_BYTES / 2**20  # DDP's bucket_cap_mb
 
 
@@ -48,6 +50,8 @@ def _stages(v: object) -> StagesSpec:
 
 
 def _microbatches(v: object, stages: object) -> None:
+    if v is None:
+        return
     if v == "auto":
         if stages != "auto":
             raise ValueError(
@@ -56,7 +60,7 @@ def _microbatches(v: object, stages: object) -> None:
             )
         return
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"microbatches must be a positive int or 'auto', got {v!r}")
+        raise ValueError(f"microbatches must be a positive int, 'auto' or None (your step's math), got {v!r}")
 
 
 def _flag(name: str, v: object) -> bool:
@@ -83,8 +87,12 @@ class PipelineOptions:
     may share one CUDA device, each on its own stream. ``batchnorm``:
     ``"microbatch"`` (running statistics per microbatch, as GPipe) or
     ``"batch"`` (one update per step from the whole batch). ``microbatches``:
-    a number, or ``"auto"`` (with ``stages="auto"``) for the planner to choose
-    it with the cut: by timed trials on one device (a GPU, or a CPU in one
+    None (the default) keeps the math of your step: one microbatch for a
+    model with a layer that couples the samples of a batch (a BatchNorm in
+    training), else as ``"auto"`` with ``stages="auto"`` and 4 with a given
+    stage count (:mod:`pipedp.decide.coupling`). A number, or ``"auto"``
+    (with ``stages="auto"``), allows accumulation over microbatches for any
+    model; ``"auto"`` lets the planner choose the count with the cut: by timed trials on one device (a GPU, or a CPU in one
     process), where one stage x one microbatch (the plain step) is among the
     choices; elsewhere one microbatch for one stage, else the most of 1, 2, 4,
     8 the batch allows (``pp="auto"``: the microbatches of the layout it chose). The number
@@ -114,7 +122,7 @@ class PipelineOptions:
     compiles (``compile="auto"``) that would not fit are skipped, with a note.
     """
 
-    microbatches: MicrobatchSpec = 4
+    microbatches: MicrobatchSpec = None
     stages: StagesSpec = "auto"
     schedule: str = "1f1b"
     devices: DeviceSpec = field(default=None, metadata=_LOCAL)
@@ -240,6 +248,13 @@ class TrainingOptions:
     ``recompute``: keep only each stage's input and recompute its activations
     in backward (``torch.utils.checkpoint``): ``True`` for every stage or the
     indices of the stages to recompute; less memory, one more forward.
+    ``grad_hook``: called as ``grad_hook(params)`` with this rank's
+    parameters once a step's gradients are final (accumulated over the
+    microbatches, averaged over replicas, unscaled under fp16) and before
+    ``clip_grad_norm`` and ``optimizer.step()``: the place a training script
+    clips by value, clips adaptively or logs gradient norms. Each rank may
+    pass its own; under ``cuda_graph`` it is captured, so it must not read
+    the host.
     """
 
     precision: str = "fp32"
@@ -247,6 +262,7 @@ class TrainingOptions:
     compile: bool | Literal["auto"] = False
     clip_grad_norm: float | None = None
     recompute: RecomputeSpec = False
+    grad_hook: GradHook | None = field(default=None, metadata=_LOCAL)
 
     def __post_init__(self) -> None:
         one_of("precision", self.precision, PRECISIONS)
@@ -255,6 +271,8 @@ class TrainingOptions:
         if self.clip_grad_norm is not None:
             object.__setattr__(self, "clip_grad_norm", positive_number("clip_grad_norm", self.clip_grad_norm))
         object.__setattr__(self, "recompute", _recompute(self.recompute))
+        if self.grad_hook is not None and not callable(self.grad_hook):
+            raise ValueError(f"grad_hook must be callable as grad_hook(params), got {type(self.grad_hook).__name__}")
 
     def recomputes(self, stage: int) -> bool:
         """Whether stage ``stage`` (its index in the whole pipeline) recomputes its activations."""

@@ -49,6 +49,7 @@ class Plan:
     predicted_step_ms: float
     source: str = "profile"  # "profile", "cost model" or "given"
     notes: tuple[str, ...] = field(default=())
+    contract: str = ""  # what the plan keeps of the user's math (:func:`pipedp.decide.coupling.contract`)
     layout: str = ""  # data parallel x pipeline ranks, when distributed
     sync: str = ""  # the last measured gradient sync, when distributed
     trials: tuple[tuple[str, float], ...] = ()  # stages="auto": (configuration label, ms per trial step)
@@ -96,7 +97,7 @@ class Plan:
 
     def __str__(self) -> str:
         head = (
-            f"pipedp plan: {len(self.stages)} stage(s) x {self.microbatches} microbatch(es) of "
+            f"pipedp plan: {self.contract + '; ' if self.contract else ''}{len(self.stages)} stage(s) x {self.microbatches} microbatch(es) of "
             f"{self.microbatch_size}, schedule={self.schedule}, batchnorm={self.batchnorm}, costs from {self.source}"
             + (", channels_last" if self.channels_last else "") + (", compiled" if self.compiled else "")
             + (", tuned depthwise kernels" if self.kernels else "")

@@ -22,7 +22,7 @@ it back.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -86,8 +86,16 @@ class StepRunner:
         self.updates: list[tuple] = []  # the last traced step's optimizer marks
         self.replayed = False  # whether the last step was a graph replay (no per-stage timings)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, index: int, timer: StepTimer | None = None) -> torch.Tensor:
-        """Step number ``index`` on ``(x, y)`` (already on the first and last stage's devices)."""
+    def step(self, x: torch.Tensor, y: torch.Tensor, index: int, timer: StepTimer | None = None,
+             outputs: list[Any] | None = None) -> torch.Tensor:
+        """Step number ``index`` on ``(x, y)`` (already on the first and last stage's devices).
+
+        ``outputs``: where this rank's last stage appends each microbatch's
+        output, detached, in microbatch order (None: none kept).
+        """
+        if outputs is not None and self.graph is not None:
+            raise ValueError("return_outputs=True with cuda_graph=True: the captured step keeps no outputs. Use "
+                             "cuda_graph=False to get them, or compute what you need inside loss_fn")
         graph = self.graph if timer is None or timer.clock is None else None
         self.replayed = False
         if graph is not None:
@@ -111,7 +119,7 @@ class StepRunner:
             # plainly, as DDP does.
             if self.pipe.sync is not None and self.reduction == "mean":
                 self.pipe.sync.begin(x.shape[0])
-            loss = self._forward_backward(x, y, timer)
+            loss = self._forward_backward(x, y, timer, outputs)
             if self.pipe.sync is not None:
                 self.pipe.sync.wait()
             loss = self.comm.share_loss(loss, self.pipe.executor.stages[-1].device, index)
@@ -153,8 +161,9 @@ class StepRunner:
         spans = step_spans(self.pipe.executor.stages, timer.clock, timer, self.pipe.sync, self.updates)
         write_trace(path, spans, process=f"pipedp ({where})", metadata=meta)
 
-    def _forward_backward(self, x: torch.Tensor, y: torch.Tensor, timer: StepTimer | None = None) \
-            -> torch.Tensor | None:
+    def _forward_backward(self, x: torch.Tensor, y: torch.Tensor, timer: StepTimer | None = None,
+                          outputs: list[Any] | None = None) -> torch.Tensor | None:
+        loss_fn = self.loss_fn if outputs is None else _keeping(self.loss_fn, outputs)
         k = microbatch.count(x.shape[0], self.microbatches)
         xs, ys = microbatch.split(x, k), microbatch.split(y, k)
         weights = microbatch.shares([t.shape[0] for t in xs], self.reduction)
@@ -162,7 +171,7 @@ class StepRunner:
             self.pipe.batchnorm.begin()
         if self.early is not None:
             self.early.begin(self.pipe.sync)
-        return self.pipe.executor.train(xs, ys, weights, self.loss_fn, timer, sync=self.pipe.sync,
+        return self.pipe.executor.train(xs, ys, weights, loss_fn, timer, sync=self.pipe.sync,
                                         loss_scale=self.grads.loss_scale, update=self.early)
 
     def _undo_early_updates(self) -> None:
@@ -208,3 +217,24 @@ class StepRunner:
             self.pipe.batchnorm.abort()
         self.pipe.buffers.restore()
         self._zero_grads()
+
+
+def _keeping(loss_fn: LossFn, outputs: list[Any]) -> LossFn:
+    """``loss_fn`` that first keeps a detached copy of the output it is given (the last stage's, per microbatch)."""
+
+    def keep(out: Any, y: torch.Tensor) -> torch.Tensor:
+        outputs.append(_detached(out))
+        return loss_fn(out, y)
+
+    return keep
+
+
+def _detached(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.detach()
+    if isinstance(v, dict):
+        return type(v)((k, _detached(x)) for k, x in v.items())
+    if isinstance(v, (tuple, list)):
+        parts = [_detached(x) for x in v]
+        return type(v)(*parts) if hasattr(v, "_fields") else type(v)(parts)
+    return v

@@ -1,4 +1,5 @@
-"""What happens between a step's last backward and ``optimizer.step()``: unscale, agree on overflow, clip.
+"""What happens between a step's last backward and ``optimizer.step()``: unscale, agree on overflow, the
+user's gradient hook, clip.
 
 With fp16 loss scaling the gradients are divided by the scale and checked
 for inf/NaN; every rank must take the same decision (a rank that stepped
@@ -19,6 +20,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from .comm import Communicator
+from .options import GradHook
 from .precision import LossScaler
 
 __all__ = ["GradientStep", "clip_grad_norm"]
@@ -57,18 +59,19 @@ class GradientStep:
     """
 
     def __init__(self, params: Iterable[torch.Tensor], comm: Communicator, *, scaler: LossScaler | None = None,
-                 clip: float | None = None) -> None:
+                 clip: float | None = None, hook: GradHook | None = None) -> None:
         self.params = _unique(params)
-        self.comm, self.scaler, self.clip = comm, scaler, clip
+        self.comm, self.scaler, self.clip, self.hook = comm, scaler, clip, hook
         self.skipped = 0  # steps skipped for inf/NaN gradients
         self.last_norm: torch.Tensor | None = None  # the last clipped step's total norm (before clipping)
 
     @classmethod
     def of(cls, stages: Sequence[Any], comm: Communicator, scaler: LossScaler | None,
-           clip: float | None) -> "GradientStep":
+           clip: float | None, hook: GradHook | None = None) -> "GradientStep":
         """For this rank's ``stages``; the scale lives on the last local stage's device (where the loss is)."""
         params = [p for st in stages for p in st.chain.parameters()]
-        return cls(params, comm, scaler=scaler.to(stages[-1].device) if scaler is not None else None, clip=clip)
+        return cls(params, comm, scaler=scaler.to(stages[-1].device) if scaler is not None else None, clip=clip,
+                   hook=hook)
 
     @property
     def loss_scale(self) -> torch.Tensor | None:
@@ -86,6 +89,8 @@ class GradientStep:
             if found.item() > 0:  # the one host read of loss scaling, as in GradScaler.step
                 self.skipped += 1
                 return False
+        if self.hook is not None:  # the user's own, on final, unscaled gradients
+            self.hook(self.params)
         if self.clip is not None:
             self.last_norm = clip_grad_norm(self.params, self.clip, self.comm)
         return True

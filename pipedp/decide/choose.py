@@ -36,6 +36,7 @@ from ..pipeline.stage import Stage
 from ..snapshot import preserved_state
 from .clocks import DeviceClock
 from .config import Config
+from .coupling import Resolved, resolve_microbatches
 from .cpu import decide_cpu
 from .cut import AUTO_MICROBATCHES, MAX_TRIAL_STAGES, resolve_counts, untimed_microbatches
 from .decision import Decision
@@ -52,15 +53,17 @@ COMPILE_S_PER_LEAF = {"cpu": 0.5, "cuda": 0.35}
 SERIAL_PROFILE = (1, 1)  # warm-up and timed calls per block where the profile decides no cut
 
 
-def microbatch_choices(options: PipelineOptions, batch: int) -> list[int]:
-    """The microbatch counts the plan may have: the user's, or all of AUTO_MICROBATCHES that fit the batch.
+def microbatch_choices(spec: Resolved, batch: int) -> list[int]:
+    """The microbatch counts the plan may have: the resolved request's one, or all of AUTO_MICROBATCHES that fit.
 
-    Both as a step of this batch runs them (:func:`~pipedp.pipeline.microbatch.count`):
-    a first batch too small for the user's count plans with fewer.
+    ``spec``: :func:`~pipedp.decide.coupling.resolve_microbatches` of the
+    user's request. Both as a step of this batch runs them
+    (:func:`~pipedp.pipeline.microbatch.count`): a first batch too small for
+    the count plans with fewer.
     """
-    if options.microbatches == "auto":
+    if spec == "auto":
         return [m for m in AUTO_MICROBATCHES if microbatch.count(batch, m) == m]
-    return [microbatch.count(batch, int(options.microbatches))]
+    return [microbatch.count(batch, int(spec))]
 
 
 def timed(options: PipelineOptions, devices: Sequence[torch.device], pp: int, world: int = 1) -> bool:
@@ -121,7 +124,8 @@ def decide(parts: Parts, model: nn.Module, sample: torch.Tensor, batch: torch.Te
            training: TrainingOptions, concurrency: ConcurrencyOptions | None = None,
            measure: Measure | None = None, now: Callable[[], float] = time.perf_counter,
            warm: dict[Config, list[Stage]] | None = None,
-           given: Layout | None = None, kernels: Swap | None = None) -> tuple[list[BlockProfile], Decision]:
+           given: Layout | None = None, kernels: Swap | None = None,
+           coupled: str | None = None) -> tuple[list[BlockProfile], Decision]:
     """Profile the blocks and choose everything (on the deciding rank; the others follow).
 
     ``measure`` replaces the device clock of the timed trials (tests), and
@@ -131,13 +135,16 @@ def decide(parts: Parts, model: nn.Module, sample: torch.Tensor, batch: torch.Te
     ``pp="auto"`` chose for the world (its cut and microbatches are the plan's).
     ``kernels``: the depthwise layers wrap swapped onto tuned kernels; the
     trials choose whether the plan runs them (elsewhere it does).
+    ``coupled``: the model's first layer that couples a batch's samples
+    (:func:`~pipedp.decide.coupling.batch_coupled`), which keeps
+    ``microbatches=None`` at one microbatch.
     """
     budget = Budget(options.plan_budget_s, now)
-    choices = microbatch_choices(options, batch.shape[0])
-    small = [] if options.microbatches == "auto" or choices[0] == options.microbatches else [
-        f"microbatches={options.microbatches}: {choices[0]}, as the planning batch has {batch.shape[0]} samples "
-        f"(at least {microbatch.MIN_SAMPLES} per microbatch); plan on a full batch (wrap's sample=) for "
-        f"{options.microbatches}"]
+    spec = resolve_microbatches(options.microbatches, options.stages, coupled)
+    choices = microbatch_choices(spec, batch.shape[0])
+    small = [] if spec == "auto" or choices[0] == spec else [
+        f"microbatches={spec}: {choices[0]}, as the planning batch has {batch.shape[0]} samples "
+        f"(at least {microbatch.MIN_SAMPLES} per microbatch); plan on a full batch (wrap's sample=) for {spec}"]
     pieces = concurrency is not None and (concurrency.branches or concurrency.split_grads)
     levers = kernels.levers if kernels is not None else (False,)
     # Trials run backward: also when the plan is made by an inference call under no_grad.
@@ -179,7 +186,7 @@ def decide(parts: Parts, model: nn.Module, sample: torch.Tensor, batch: torch.Te
             if pieces and devices[0].type != "cuda":  # not timed (a CPU runs them in order): as the user asked
                 decision = replace(decision, config=replace(decision.config, concurrent=True))
         else:
-            decision = _predicted(profiles, options, devices, comm, training, choices, batch.shape[0])
+            decision = _predicted(profiles, options, devices, comm, training, choices, batch.shape[0], spec)
             if pieces:
                 decision = replace(decision, config=replace(decision.config, concurrent=True))
         if not by_trials and True in levers:  # untimed: the swapped layers run the kernels, as wrap asked
@@ -215,11 +222,12 @@ def _serial(device: torch.device) -> str | None:
 
 
 def _predicted(profiles: Sequence[BlockProfile], options: PipelineOptions, devices: Sequence[torch.device],
-               comm: Communicator, training: TrainingOptions, choices: Sequence[int], batch: int) -> Decision:
+               comm: Communicator, training: TrainingOptions, choices: Sequence[int], batch: int,
+               spec: Resolved) -> Decision:
     """The plan from the profiles alone (a given cut, several devices, pipeline ranks)."""
     counts, notes = resolve_counts(profiles, options.stages, devices, max(choices), options.schedule, ranks=comm.pp)
     m = choices[0]
-    if options.microbatches == "auto":
+    if spec == "auto":
         m = untimed_microbatches(len(counts), batch)
         notes.append(f"microbatches=auto: {m} for {len(counts)} stage(s) (no timed trials on {devices[0]})")
     if training.compile == "auto":

@@ -199,6 +199,7 @@ def build_plan(
     notes: Sequence[str] = (),
     ranks: int = 1,
     layout: str = "",
+    contract: str = "",
 ) -> Plan:
     """The printable plan of ``decision``: stages with their blocks, devices and predicted costs."""
     counts, microbatches = decision.counts, decision.microbatches
@@ -228,6 +229,7 @@ def build_plan(
         source=source,
         notes=tuple(notes),
         layout=layout,
+        contract=contract,
         trials=decision.trials,
         trial_baseline_ms=decision.bar_ms,
         trial_chosen=decision.chosen,

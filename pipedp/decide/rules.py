@@ -28,7 +28,8 @@ def check_rules(pipeline: PipelineOptions, training: TrainingOptions, concurrenc
             "branches=True / split_grads=True with compile=True: the swapped layers order streams by events, "
             "which torch.compile does not trace. Use compile=False with them, or turn them off")
     if concurrency.early_update:
-        check_early_update(clip=training.clip_grad_norm, precision=training.precision)
+        check_early_update(clip=training.clip_grad_norm, precision=training.precision,
+                           hook=training.grad_hook is not None)
     if pipeline.cuda_graph and training.precision == "fp16":
         raise ValueError(
             "precision='fp16' with cuda_graph=True is not supported yet: its loss scaling decides on the host "

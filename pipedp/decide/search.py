@@ -536,7 +536,8 @@ def _choose(space: Space, trials: _Trials, ranked: list[Config], margin: float, 
         return bar.run_by_pipedp(kernels=space.walk_kernels), bar
     notes.append(f"stages=auto: no plan beat the strongest alternative, {bar.label} ({bar_ms:.2f} ms), by "
                  f"{margin:.0%} in {on}; kept the fastest with the given microbatches, {best.label} "
-                 f"({trials.best(best):.2f} ms): microbatches='auto' lets the plan be the plain step")
+                 f"({trials.best(best):.2f} ms, {bar_ms / trials.best(best):.2f}x the bar: the measured cost of "
+                 f"that count): microbatches=None (your step's math) or 'auto' lets the plan be the plain step")
     return best, bar
 
 

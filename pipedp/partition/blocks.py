@@ -43,7 +43,7 @@ from .modes import ModeBlock, copy_nodes, differing
 from .trace import ModeError, Traced, trace
 
 __all__ = ["CutError", "Point", "carried", "chosen_points", "traced_points", "fx_blocks", "is_resnet", "Block",
-           "blocks_of", "check_materialised", "check_one_input", "Chain", "module_mode"]
+           "blocks_of", "check_materialised", "check_not_wrapped", "check_one_input", "Chain", "module_mode"]
 
 _HOW = "pass an nn.Sequential of the model's parts"
 SPAN = 16  # fx nodes: a longer stretch without a one-tensor cut is cut where several tensors are live
@@ -96,6 +96,33 @@ def check_materialised(model: nn.Module) -> None:
             f"{type(model).__name__} has lazy layers whose parameters are not made yet ({', '.join(lazy[:3])}"
             f"{', ...' if len(lazy) > 3 else ''}): run one forward pass first, model(example_batch), then build "
             f"the optimizer and call wrap()")
+
+
+_WRAPPERS = {
+    "DistributedDataParallel": "DDP's reducer would all-reduce gradients beside pipedp's own sync (under torchrun "
+                               "pipedp trains data parallel itself)",
+    "DataParallel": "it splits each batch over GPUs itself, beside pipedp's plan",
+    "FullyShardedDataParallel": "it shards parameters itself, beside pipedp's plan",
+    "OptimizedModule": "torch.compile's wrapper is compiled as a whole (checkpoint keys gain '_orig_mod.', and it "
+                       "cannot be cut); pipedp compiles its stages itself with compile=True or 'auto'",
+}
+
+
+def check_not_wrapped(model: nn.Module) -> None:
+    """Refuse a model already wrapped by DDP, DataParallel, FSDP or ``torch.compile``, naming the inner module.
+
+    Each does a job pipedp does itself, and would do it twice (or hide the
+    model's structure); the model inside is what to pass.
+    """
+    name = type(model).__name__
+    why = _WRAPPERS.get(name)
+    if why is None or not type(model).__module__.startswith("torch."):
+        return
+    inner = "._orig_mod" if name == "OptimizedModule" else ".module"
+    extra = ", with compile=True or compile='auto'" if name == "OptimizedModule" else ""
+    raise ValueError(
+        f"the model is wrapped in {name}: {why}. To proceed, pass the model inside (model{inner}){extra}; "
+        f"nothing was changed")
 
 
 def check_one_input(model: nn.Module) -> None:

@@ -80,8 +80,9 @@ def _structure(model: nn.Module) -> str:
 def inspect_cut(model: nn.Module, sample: torch.Tensor, *, depth: int = 1) -> CutReport:
     """Where ``model`` can be cut on ``sample`` (a batch it takes), and what blocks the other places.
 
-    Changes nothing on the model (the check runs in eval mode and restores
-    every module's mode).
+    Changes nothing on the model, the batch or the random generators (the
+    check runs on copies, puts back every module's mode, buffers and
+    ``.grad``, and forks the generators).
     """
     name, structure = type(model).__name__, _structure(model)
     kept: tuple[tuple[str, str], ...] = ()

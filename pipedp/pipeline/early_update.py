@@ -61,8 +61,12 @@ def narrowed(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -
             g["params"] = ps
 
 
-def check_early_update(*, clip: float | None, precision: str) -> None:
+def check_early_update(*, clip: float | None, precision: str, hook: bool = False) -> None:
     """Refuse what an early, per-stage update cannot do exactly."""
+    if hook:
+        raise ValueError(
+            "early_update=True with grad_hook: the hook sees all of a step's gradients before any update, but an "
+            "early update steps each stage as its backward ends. Pass early_update=False to use grad_hook")
     if clip is not None:
         raise ValueError(
             "early_update=True with clip_grad_norm: clipping scales every gradient by the norm over all of "
