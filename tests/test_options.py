@@ -11,7 +11,7 @@ from pipedp import ConcurrencyOptions, DataParallelOptions, KernelOptions, Pipel
 
 @pytest.mark.parametrize("kw, match", [
     (dict(microbatches=0), "microbatches must be a positive int"),
-    (dict(microbatches="many"), "microbatches must be a positive int or 'auto'"),
+    (dict(microbatches="many"), r"microbatches must be a positive int, 'auto' or None \(your step's math\)"),
     (dict(microbatches="auto", stages=2), "microbatches='auto' lets stages='auto' choose"),
     (dict(stages="many"), "stages must be an int, 'auto' or a list"),
     (dict(stages=0), "stages must be a positive int"),
@@ -87,7 +87,7 @@ def test_groups_are_frozen_values_with_the_defaults():
     opts = PipelineOptions()
     with pytest.raises(AttributeError):
         opts.microbatches = 8  # type: ignore[misc]
-    assert (opts.microbatches, opts.stages, opts.schedule, opts.batchnorm) == (4, "auto", "1f1b", "microbatch")
+    assert (opts.microbatches, opts.stages, opts.schedule, opts.batchnorm) == (None, "auto", "1f1b", "microbatch")
     assert DataParallelOptions().bucket_bytes == 25 * 2**20
 
 
