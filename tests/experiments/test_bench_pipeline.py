@@ -43,7 +43,7 @@ def test_quick_cpu_run_times_what_runs_and_records_why_the_rest_is_skipped(tmp_p
         auto = rows["pipedp"]
         assert auto["images_per_s"] > 0 and len(auto["images_per_s_windows"]) == 2 and auto["setup_s"] > 0
         assert auto["plan_label"].startswith("1x")  # a CPU runs stages one after another: one stage
-        assert "pipedp plan: 2 stage(s) x 2 microbatch(es)" in rows["pipedp:S=2,M=2"]["plan"]
+        assert "2 stage(s) x 2 microbatch(es)" in rows["pipedp:S=2,M=2"]["plan"]
         assert "peak_memory_mib" not in auto and not group["errors"]
 
 

@@ -4,7 +4,7 @@ from experiments.demo import demo, main, pattern_data
 def test_demo_runs_and_learns_on_cpu(capsys):
     out = demo(["--steps", "8", "--batch", "16", "--width", "8", "--windows", "1", "--stages", "2"])
     text = capsys.readouterr().out
-    assert "pipedp plan: 2 stage(s) x 4 microbatch(es)" in text
+    assert "2 stage(s) x 4 microbatch(es)" in text
     assert "step 7: loss" in text and "images/s: plain" in text and "x of plain" in text
     losses = out["losses"]
     assert sum(losses[-2:]) < sum(losses[:2])  # the offline data is learnable

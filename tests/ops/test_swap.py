@@ -223,7 +223,8 @@ def _plan_on(model, swap, clock):
     from pipedp.comm import Local
     from pipedp.options import PipelineOptions, TrainingOptions
 
-    return build_pipeline(model, torch.randn(8, 3, 16, 16), PipelineOptions(profile=False), [torch.device("cpu")],
+    return build_pipeline(model, torch.randn(8, 3, 16, 16), PipelineOptions(profile=False, microbatches=4),
+                          [torch.device("cpu")],
                           Local(), training=TrainingOptions(channels_last=False), measure=clock, kernels=swap)
 
 
