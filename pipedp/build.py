@@ -167,7 +167,7 @@ def build_pipeline(model: nn.Module, batch: torch.Tensor, options: PipelineOptio
                                         reuse=warm.get(decision.config))
     plan = build_plan(
         profiles, decision, devices, microbatch_size=sizes[0], schedule=options.schedule,
-        batchnorm=options.batchnorm, source="profile" if options.profile else "cost model", notes=notes,
+        batchnorm=options.batchnorm, source=decision.source, notes=notes,
         ranks=comm.pp, layout=comm.describe(), contract=contract(decision.microbatches, coupled),
     )
     if decision.threads is not None:

@@ -154,7 +154,11 @@ def decide(parts: Parts, model: nn.Module, sample: torch.Tensor, batch: torch.Te
         threaded = given is None and concurrent_cpu(options.threads, devices, comm.world)
         by_trials = (given is None and not threaded
                      and timed(options, devices, comm.pp, comm.world if measure is None else 1))
-        if options.profile:
+        # A given cut (block counts, one stage, the layout pp="auto" chose) outside trials and thread teams needs
+        # no block times to be built: the cost model fills the plan table, the first steps measure it.
+        given_cut = given is not None or options.stages == 1 or isinstance(options.stages, (list, tuple))
+        measured = options.profile and (by_trials or threaded or not given_cut)
+        if measured:
             # Where the trials time one-stage plans only (a CPU in one process) the cut is the whole model and
             # the profile decides nothing: one pass after one warm-up gives the plan table its figures.
             serial = by_trials and devices[0].type != "cuda"
@@ -191,7 +195,11 @@ def decide(parts: Parts, model: nn.Module, sample: torch.Tensor, batch: torch.Te
                 decision = replace(decision, config=replace(decision.config, concurrent=True))
         if not by_trials and True in levers:  # untimed: the swapped layers run the kernels, as wrap asked
             decision = replace(decision, config=replace(decision.config, kernels=True))
-    return list(profiles), replace(decision, notes=(*small, *decision.notes), planning_s=budget.spent())
+    unprofiled = [] if measured or not options.profile else [
+        f"profile: the cut is given (stages={options.stages!r}), so no block was profiled: the plan's predicted "
+        f"times are the cost model's, its measured ones come from the first steps"]
+    return list(profiles), replace(decision, notes=(*small, *unprofiled, *decision.notes), planning_s=budget.spent(),
+                                   source="profile" if measured else "cost model")
 
 
 def _timed(space: Space, clock: Measure, budget: Budget, options: PipelineOptions, device: torch.device,

@@ -30,6 +30,7 @@ class Decision:
     bar_ms: float | None = None
     planning_s: float = 0.0
     hint: str = ""
+    source: str = "profile"  # where the block times came from: "profile" (measured) or "cost model"
 
     @property
     def counts(self) -> tuple[int, ...]:
