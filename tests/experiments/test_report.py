@@ -100,7 +100,7 @@ def test_table_carries_the_window_spread_and_explains_na_and_one_stage():
     table = table_markdown(res)
     assert "| 1.03x | 1.00x (0.90-1.20, 3) | n/a |" in table  # overall, then the windows: median (min-max, n)
     assert "Paper speedup n/a: the paper reports no figure for this dataset" in table
-    assert "1 stage(s) in Plans: the planner (stages=auto)" in table and "microbatching, not by pipelining" in table
+    assert "1 stage(s) in Plans: the planner (stages=auto)" in table and "not by pipelining" in table
     two_stages = _run("resnet18", [1.0], [1.0], [50.0], [50.0], "cifar10", stages=2)
     cifar = table_markdown(_results([two_stages], 1, "cifar10"))
     assert "Paper speedup n/a" not in cifar and "1 stage(s) in Plans" not in cifar and "| 1.47x |" in cifar

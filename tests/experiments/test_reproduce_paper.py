@@ -118,7 +118,7 @@ def test_quick_is_small_and_explicit_choices_win():
 
     args = _resolve(_parser().parse_args(["--quick"]))
     assert args.model_list == ["resnet18"] and args.epochs == QUICK["epochs"] and args.train_images == QUICK["train"]
-    assert args.window == 2 and args.data_root is None and args.trace is None  # 4 windows of a model's 8 steps
+    assert args.window == 2 and args.data_root is None and args.trace is None and args.width == QUICK["width"]
     args = _resolve(_parser().parse_args(["--quick", "--models", "resnet18,resnet34", "--epochs", "3"]))
     assert args.model_list == ["resnet18", "resnet34"] and args.epochs == 3
     assert _resolve(_parser().parse_args([])).model_list == ["resnet18", "resnet34", "resnet50"]
@@ -139,7 +139,7 @@ def test_main_returns_0_and_writes_its_outputs(tmp_path, capsys):
     run = res["runs"][0]
     assert run["bar"] in ("plain", "plain channels_last") and run["bar_ms"] > 0 and run["planning_s"] > 0
     assert run["bar"] in [label for label, _ in run["trials"]]
-    assert f"the bar, the strongest alternative timed, is {run['bar']} at" in printed
+    assert f"pipedp timed its plans against your step at its fastest ({run['bar']}," in printed
 
 
 def test_help_and_version_exit_0_and_show_defaults(capsys):
@@ -147,8 +147,8 @@ def test_help_and_version_exit_0_and_show_defaults(capsys):
         main(["--help"])
     assert e.value.code == 0
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
-    for default in ("(default: digits)", "(default: 4)", "(default: 10; 1 with --quick)", "(default: reproduce-out)",
-                    "(default: resnet18,resnet34,resnet50; resnet18 with --quick)", "(default: all; 512 with --quick)",
+    for default in ("(default: digits)", "(default: pipedp's: your step's math", "(default: 10; 5 with --quick)", "(default: reproduce-out)",
+                    "(default: resnet18,resnet34,resnet50; resnet18 with --quick)", "(default: all)",
                     "(default: 4; 2 with --quick)", "(default: none; needed by cifar10, cifar100, caltech101)"):
         assert default in text
     assert "(default: None)" not in text  # every default says what it means
