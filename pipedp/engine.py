@@ -24,6 +24,7 @@ from torch import nn
 from . import checkpoint
 from .atomic import require_folder
 from .build import Pipeline, build_pipeline, sample_batch
+from .checks import positive_int
 from .comm import communicator
 from .device import resolve_devices
 from .decide.coupling import Resolved, batch_coupled, resolve_microbatches
@@ -263,7 +264,7 @@ class Engine:
         sync = self._pipe.sync if self._pipe is not None else None
         return sync.stats() if sync is not None and sync.step else None
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor, *,
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, *, update: bool = True, loss_divisor: int = 1,
                    return_outputs: bool = False) -> torch.Tensor | tuple[torch.Tensor, Any]:
         """One optimizer step on the batch ``(x, y)``; returns the batch's loss (mean or sum), detached.
 
@@ -272,7 +273,16 @@ class Engine:
         ``return_outputs=True`` returns ``(loss, outputs)``: the model's output
         for the whole batch as ``loss_fn`` received it, detached (for train
         accuracy, say); None on a pipeline rank without the last stage.
+
+        Accumulating over batches, as a plain loop does (``loss = loss_fn(...)
+        / N; loss.backward()`` on each batch, ``optimizer.step()`` on every
+        N-th): ``update=False`` keeps this batch's gradients for a later call
+        and ``loss_divisor=N`` divides each batch's loss before its backward
+        (the returned loss is not divided). Random draws and BatchNorm
+        statistics follow the plain loop's order. A call that fails puts back
+        the gradients the window held.
         """
+        positive_int("loss_divisor", loss_divisor)
         if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
             raise TypeError(f"train_step takes tensors (x, y), got {type(x).__name__}, {type(y).__name__}")
         if x.dim() == 0 or y.dim() == 0 or x.shape[0] != y.shape[0]:
@@ -298,7 +308,7 @@ class Engine:
         clock = Clock(ex.devices) if trace_path is not None else None
         timer = StepTimer(len(ex.stages), clock) if measuring or clock is not None else None
         kept: list[Any] | None = [] if return_outputs else None
-        loss = runner.step(x, y, self.steps, timer, kept)
+        loss = runner.step(x, y, self.steps, timer, kept, update=update, divisor=loss_divisor)
         if trace_path is not None and timer is not None:
             runner.write_trace(trace_path, timer, self.steps, self.schedule)
         self.steps += 1

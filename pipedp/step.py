@@ -85,17 +85,27 @@ class StepRunner:
         self.early = early  # per-stage updates issued during the backward
         self.updates: list[tuple] = []  # the last traced step's optimizer marks
         self.replayed = False  # whether the last step was a graph replay (no per-stage timings)
+        self.pending = 0  # calls with update=False since the last update: their gradients are held
 
     def step(self, x: torch.Tensor, y: torch.Tensor, index: int, timer: StepTimer | None = None,
-             outputs: list[Any] | None = None) -> torch.Tensor:
+             outputs: list[Any] | None = None, *, update: bool = True, divisor: int = 1) -> torch.Tensor:
         """Step number ``index`` on ``(x, y)`` (already on the first and last stage's devices).
 
         ``outputs``: where this rank's last stage appends each microbatch's
-        output, detached, in microbatch order (None: none kept).
+        output, detached, in microbatch order (None: none kept). ``update``:
+        False accumulates this batch's gradients for a later call that
+        updates; ``divisor``: the loss of this batch is divided by it before
+        its backward (:meth:`pipedp.Engine.train_step`).
         """
+        accumulating = not update or divisor != 1 or self.pending > 0
         if outputs is not None and self.graph is not None:
             raise ValueError("return_outputs=True with cuda_graph=True: the captured step keeps no outputs. Use "
                              "cuda_graph=False to get them, or compute what you need inside loss_fn")
+        if accumulating and (self.graph is not None or self.early is not None):
+            which = "cuda_graph=True: the captured step" if self.graph is not None else \
+                "early_update=True: an early update"
+            raise ValueError(f"update=False / loss_divisor with {which} updates on every call. Use cuda_graph=False "
+                             f"and early_update=False to accumulate over batches, or one larger batch")
         graph = self.graph if timer is None or timer.clock is None else None
         self.replayed = False
         if graph is not None:
@@ -106,7 +116,11 @@ class StepRunner:
                 self.replayed = True
                 return graph.replay(x, y)
             graph.note_eager(x, y, hyper)
-        self._zero_grads()
+        held = self._held_grads() if self.pending else None  # a failed call gives the window's gradients back
+        if not self.pending:
+            self._zero_grads()
+        elif self.pipe.sync is not None:
+            self.pipe.sync.resume()
         self.pipe.buffers.save()
         early_rollback = self.early is not None and self.before_update is not None
         if early_rollback:
@@ -119,21 +133,27 @@ class StepRunner:
             # plainly, as DDP does.
             if self.pipe.sync is not None and self.reduction == "mean":
                 self.pipe.sync.begin(x.shape[0])
-            loss = self._forward_backward(x, y, timer, outputs)
+            loss = self._forward_backward(x, y, timer, outputs, divisor)
             if self.pipe.sync is not None:
                 self.pipe.sync.wait()
             loss = self.comm.share_loss(loss, self.pipe.executor.stages[-1].device, index)
-            apply = self.grads.prepare(index)
+            apply = self.grads.prepare(index) if update else False
         except DistributedError as e:
             if early_rollback:
                 self._undo_early_updates()
-            self.recover()
+            self.recover(held)
             raise DistributedError(f"{e}{self.comm.failure_note(index)}") from e.__cause__
         except BaseException:
             if early_rollback:
                 self._undo_early_updates()
-            self.recover()
+            self.recover(held)
             raise
+        if not update:  # this batch's statistics count now, as a plain forward's; its gradients wait
+            if self.pipe.batchnorm is not None:
+                self.pipe.batchnorm.commit()
+            self.pending += 1
+            return loss  # type: ignore[return-value]
+        self.pending = 0
         clock = timer.clock if timer is not None else None
         devices = self.pipe.executor.devices
         marks = [(d, clock.mark(current_lane(d))) for d in devices] if clock is not None else []
@@ -162,7 +182,7 @@ class StepRunner:
         write_trace(path, spans, process=f"pipedp ({where})", metadata=meta)
 
     def _forward_backward(self, x: torch.Tensor, y: torch.Tensor, timer: StepTimer | None = None,
-                          outputs: list[Any] | None = None) -> torch.Tensor | None:
+                          outputs: list[Any] | None = None, divisor: int = 1) -> torch.Tensor | None:
         loss_fn = self.loss_fn if outputs is None else _keeping(self.loss_fn, outputs)
         k = microbatch.count(x.shape[0], self.microbatches)
         xs, ys = microbatch.split(x, k), microbatch.split(y, k)
@@ -172,7 +192,7 @@ class StepRunner:
         if self.early is not None:
             self.early.begin(self.pipe.sync)
         return self.pipe.executor.train(xs, ys, weights, loss_fn, timer, sync=self.pipe.sync,
-                                        loss_scale=self.grads.loss_scale, update=self.early)
+                                        loss_scale=self.grads.loss_scale, update=self.early, divisor=divisor)
 
     def _undo_early_updates(self) -> None:
         """Put back what the stages updated early, once every lane that may still be updating is joined."""
@@ -208,15 +228,33 @@ class StepRunner:
         # Once a CUDA graph holds the gradient buffers they are zeroed in place.
         self.model.zero_grad(set_to_none=self.graph is None or not self.graph.captured)
 
-    def recover(self) -> None:
-        """Undo what a failed step did besides the optimizer's update: buffers, gradients, pending transfers."""
+    def recover(self, held: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None) -> None:
+        """Undo what a failed step did besides the optimizer's update: buffers, gradients, pending transfers.
+
+        ``held``: the gradients accumulated by earlier calls of the window
+        (``update=False``), put back; else gradients are zeroed.
+        """
         self.pipe.executor._join()
         if self.pipe.transport is not None:
             self.pipe.transport.reset()
         if self.pipe.batchnorm is not None:
             self.pipe.batchnorm.abort()
         self.pipe.buffers.restore()
-        self._zero_grads()
+        if held is None:
+            self._zero_grads()
+            return
+        with torch.no_grad():
+            for p, g in held:
+                if g is None:
+                    p.grad = None
+                elif p.grad is None:
+                    p.grad = g
+                else:
+                    p.grad.copy_(g)
+
+    def _held_grads(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Copies of the gradients an accumulation window holds so far (what a failed call puts back)."""
+        return [(p, None if p.grad is None else p.grad.detach().clone()) for p in self.model.parameters()]
 
 
 def _keeping(loss_fn: LossFn, outputs: list[Any]) -> LossFn:

@@ -271,3 +271,28 @@ def test_a_device_mesh_gives_the_layout():
 def test_distributed_options_need_an_initialised_process_group():
     with pytest.raises(ValueError, match="torchrun"):
         _engine(sequential_cnn(), microbatches=2, pp=2)
+
+
+def _accumulating(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    engine = _engine(sequential_cnn(), stages=1, microbatches=2)
+    for i, batch in enumerate(_global_batches(world, steps=4)):
+        engine.train_step(*_local(batch, rank), update=i % 2 == 1, loss_divisor=2)
+    return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+def test_accumulating_over_batches_under_data_parallel_equals_one_process_accumulating():
+    """Every call all-reduces what the replicas hold (linear: the held part is the same on each), so the window
+    equals one process accumulating over the global batches, loss / 2 each, a step every second batch."""
+    results = multiproc.run(_accumulating, 2)
+    torch.manual_seed(0)
+    ref = sequential_cnn()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    for i, (x, y) in enumerate(_global_batches(2, steps=4)):
+        (nn.functional.cross_entropy(ref(x), y) / 2).backward()
+        if i % 2 == 1:
+            opt.step()
+            opt.zero_grad()
+    for name, p in ref.named_parameters():
+        assert (results[0][name] - p.detach()).abs().max().item() <= TOL, name
+    assert all(torch.equal(results[0][n], results[1][n]) for n in results[0])

@@ -282,6 +282,7 @@ class Executor:
         sync: GradSyncLike | None = None,
         loss_scale: torch.Tensor | None = None,
         update: StageUpdateLike | None = None,
+        divisor: int = 1,
     ) -> torch.Tensor | None:
         """Forward and backward of every microbatch; returns the weighted loss sum (detached).
 
@@ -291,14 +292,17 @@ class Executor:
         scaling, which the returned sum leaves out) before its backward;
         gradients accumulate in the parameters' ``.grad``. ``sync.arm(k)``/``sync.finish(k)``
         bracket the last backward of local stage k, and ``update.stage_done(k)``
-        follows it (an early optimizer update). Returns None on a rank
-        without the last stage.
+        follows it (an early optimizer update). ``divisor``: each loss is
+        divided by it before its backward (and before ``loss_scale``), as a
+        plain loop that accumulates over several batches divides its loss; the
+        returned sum leaves it out. Returns None on a rank without the last
+        stage.
         """
         if not len(xs) == len(ys) == len(weights):
             raise ValueError(f"got {len(xs)} inputs, {len(ys)} targets and {len(weights)} weights: one each per "
                              f"microbatch")
         order, _, last = self.orders(len(xs))
-        step = _Step(self, xs, ys, weights, loss_fn, timer, loss_scale)
+        step = _Step(self, xs, ys, weights, loss_fn, timer, loss_scale, divisor)
         self._run(order, last, step, sync, update)
         if step.total is not None:
             current_lane(self.stages[-1].device).keep(step.total)
@@ -341,10 +345,10 @@ class _Step:
     """The in-flight tensors and events of one step (training when ``loss_fn`` is given)."""
 
     def __init__(self, ex: Executor, xs, ys, weights, loss_fn: LossFn | None, timer: StepTimer | None,
-                 loss_scale: torch.Tensor | None = None) -> None:
+                 loss_scale: torch.Tensor | None = None, divisor: int = 1) -> None:
         n, m = ex.n, len(xs)
         self.ex, self.xs, self.ys, self.weights, self.loss_fn, self.timer = ex, xs, ys, weights, loss_fn, timer
-        self.loss_scale = loss_scale
+        self.loss_scale, self.divisor = loss_scale, divisor
         self.inputs: list[list[Value | None]] = [[None] * m for _ in range(n)]
         self.outputs: list[list[Any]] = [[None] * m for _ in range(n)]  # the last stage's: what loss_fn takes
         self.losses: list[torch.Tensor | None] = [None] * m
@@ -387,6 +391,8 @@ class _Step:
                 raise ValueError(err)
             loss = loss * self.weights[i]
             self.total = loss.detach() if self.total is None else self.total + loss.detach()
+            if self.divisor != 1:
+                loss = loss / self.divisor
             if self.loss_scale is not None:
                 loss = loss * self.loss_scale.to(loss.device, non_blocking=True)
             self.losses[i] = loss

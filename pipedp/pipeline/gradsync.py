@@ -232,12 +232,22 @@ class GradSync:
         with torch.no_grad():
             for b in self.buckets:
                 b.flat.zero_()
-                b.work, b.wire, b.done, b.events = None, None, [], None
                 off = 0
                 for p in b.params:
                     n = p.numel()
                     p.grad = b.flat[off : off + n].view_as(p)
                     off += n
+        self.resume()
+
+    def resume(self) -> None:
+        """Start a step's sync on what the buckets hold (after :meth:`attach`, or a call that accumulated).
+
+        The all-reduce is linear and the held part is the same on every
+        replica (it was averaged), so averaging held + new gives held + the
+        average of new: accumulating over calls equals one process doing so.
+        """
+        for b in self.buckets:
+            b.work, b.wire, b.done, b.events = None, None, [], None
         self._armed.clear()
         self._waited.clear()
         self._count_work, self._weights = {}, {}
