@@ -144,7 +144,7 @@ def build_pipeline(model: nn.Module, batch: torch.Tensor, options: PipelineOptio
     if training.channels_last == "auto":  # trials may have left the model in either layout
         set_layout(model, decision.channels_last)
     counts = list(decision.counts)
-    notes = [*uncut, *kept_note(options.microbatches, options.stages, coupled), *decision.notes]
+    notes = [*uncut, *kept_note(options.microbatches, options.stages, coupled, comm.pp), *decision.notes]
     # The deciding rank's microbatches, as this rank's batch runs them (a small one with fewer, as every step).
     sizes = microbatch.sizes(batch.shape[0], microbatch.count(batch.shape[0], decision.microbatches))
     bad = [i for i in training.recompute if i >= len(counts)] if not isinstance(training.recompute, bool) else []

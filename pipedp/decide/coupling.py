@@ -64,10 +64,12 @@ def contract(microbatches: int, coupled: str | None) -> str:
             f"'{coupled}')")
 
 
-def kept_note(requested: MicrobatchSpec, stages: object, coupled: str | None) -> list[str]:
-    """Where ``None`` kept one microbatch for a pipeline the user asked for: how to let it overlap."""
+def kept_note(requested: MicrobatchSpec, stages: object, coupled: str | None, ranks: int = 1) -> list[str]:
+    """Where ``None`` kept one microbatch for a pipeline the user asked for (stages, or ``ranks`` pipeline
+    ranks): how to let it overlap."""
     single = stages == 1 or (isinstance(stages, (list, tuple)) and len(stages) == 1)
-    if requested is not None or coupled is None or stages == "auto" or single:
+    asked = ranks > 1 or (stages != "auto" and not single)
+    if requested is not None or coupled is None or not asked:
         return []
     return [f"microbatches: 1, the same math as your step (BatchNorm '{coupled}' normalises over the whole batch), "
             f"so the stages run one after another; pass microbatches=N or 'auto' to overlap them (accumulation: "

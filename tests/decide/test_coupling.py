@@ -39,3 +39,4 @@ def test_a_pipeline_kept_at_one_microbatch_says_how_to_overlap_it():
     assert "microbatches=N or 'auto'" in note and "one after another" in note
     assert kept_note(None, [3, 4], "bn") and not kept_note(None, [7], "bn")
     assert kept_note(4, 2, "bn") == kept_note(None, "auto", "bn") == kept_note(None, 2, None) == []
+    assert kept_note(None, "auto", "bn", ranks=2)  # pipeline ranks are a pipeline the user asked for too
