@@ -12,6 +12,10 @@ and the user's generators, buffers and ``.grad`` are left as they were.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import sys
+
 import torch
 from torch import nn
 
@@ -175,13 +179,16 @@ def changes_input(model: nn.Module, blocks: list[Block], sample: torch.Tensor) -
         for i, b in enumerate(blocks):
             x = leaf(y, i > 0)
             versions = [t._version for t in tensors(x)]
+            said = io.StringIO()  # what torch.fx prints about a failing generated forward: kept for real failures
             try:
-                y = b.module(x)
+                with contextlib.redirect_stderr(said):
+                    y = b.module(x)
                 # A change autograd lets pass (the first block's input, which needs no gradient; an integer
                 # tensor) shows in the version counter.
                 flags.append(any(t._version != v for t, v in zip(tensors(x), versions)))
             except RuntimeError as e:
                 if not mutates_input(e):
+                    sys.stderr.write(said.getvalue())
                     raise
                 y = b.module(map_tensors(x, torch.clone))
                 flags.append(True)
