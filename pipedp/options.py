@@ -92,8 +92,9 @@ class PipelineOptions:
     training), else as ``"auto"`` with ``stages="auto"`` and 4 with a given
     stage count (:mod:`pipedp.decide.coupling`). A number, or ``"auto"``
     (with ``stages="auto"``), allows accumulation over microbatches for any
-    model; ``"auto"`` lets the planner choose the count with the cut: by timed trials on one device (a GPU, or a CPU in one
-    process), where one stage x one microbatch (the plain step) is among the
+    model; ``"auto"`` lets the planner choose the count with the cut: by
+    timed trials on one device (a GPU, or a CPU in one process), where one
+    stage x one microbatch (the plain step) is among the
     choices; elsewhere one microbatch for one stage, else the most of 1, 2, 4,
     8 the batch allows (``pp="auto"``: the microbatches of the layout it chose). The number
     chosen is ``engine.plan.microbatches``; with ``batchnorm="microbatch"``

@@ -113,7 +113,8 @@ def _check_training(model: nn.Module, blocks: list[Block], sample: torch.Tensor,
     finally:
         set_rng_state(start)
         buffers.restore()
-    names = ["the output"] + [f"the gradient of '{n}'" for n, _ in params] + (["the input's gradient"] if input_grad else [])
+    names = ["the output", *(f"the gradient of '{n}'" for n, _ in params),
+             *(["the input's gradient"] if input_grad else [])]
     for what, a, b in zip(names, ref, got):
         if not _close(a, b):
             why = ("its forward does something the blocks do not record (a grad-mode switch, an autograd hook, "
