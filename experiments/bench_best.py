@@ -232,7 +232,7 @@ def bench_group(work: Workload, batch: int, precision: str, args: argparse.Names
                 optimizer=torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM),
                 loss_fn=nn.CrossEntropyLoss(), precision=precision, stages="auto", microbatches="auto",
                 channels_last="auto", compile="auto" if args.compile else False, plan_budget_s=args.plan_budget,
-                devices=x.device, progress=False, cuda_graph=device.type == "cuda",
+                devices=x.device, progress=False, cuda_graph=device.type == "cuda", plan_cache=False,
                 kernels="auto" if args.kernel_db else "torch", kernel_db=args.kernel_db)
             if threads:
                 kw["threads"] = "auto"

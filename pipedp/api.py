@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+import os
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -48,6 +49,8 @@ def wrap(
     rollback: bool = True,
     threads: ThreadsSpec = None,
     plan_budget_s: float = 30.0,
+    plan_cache: bool | str | os.PathLike[str] = True,
+    decision: Mapping[str, Any] | None = None,
     pp: int | str = 1,
     mesh: DeviceMesh | None = None,
     dp_group: ProcessGroup | None = None,
@@ -71,12 +74,13 @@ def wrap(
     """Cut ``model`` into balanced stages and train it as a microbatch pipeline.
 
     The keywords are those of :class:`~pipedp.PipelineOptions` (microbatches
-    to plan_budget_s), :class:`~pipedp.DataParallelOptions` (pp to timeout;
+    to plan_cache), :class:`~pipedp.DataParallelOptions` (pp to timeout;
     ``distributed`` is its ``enabled``), :class:`~pipedp.KernelOptions`
     (``kernels``, ``kernel_db``) and :class:`~pipedp.TrainingOptions`
     (precision to recompute), :class:`~pipedp.ConcurrencyOptions` (branches,
     split_grads, early_update); ``sample`` (a batch or its shape) plans now
-    instead of on the first batch. ``optimizer`` is built on
+    instead of on the first batch; ``decision`` (``engine.decision_record()``, or a checkpoint's
+    ``["engine"]["decision"]``) rebuilds that plan without planning. ``optimizer`` is built on
     ``model.parameters()`` (or a factory of them); ``loss_fn`` is called as
     ``loss_fn(output, target)`` and returns a scalar: the batch's mean, or its sum when
     ``loss_fn.reduction`` is ``"sum"``. An optimizer whose ``step`` needs a closure (LBFGS) is refused.
@@ -89,7 +93,7 @@ def wrap(
         pipeline=PipelineOptions(
             microbatches=microbatches, stages=stages, schedule=schedule, devices=devices, batchnorm=batchnorm,
             profile=profile, depth=depth, measure_steps=measure_steps, progress=progress, cuda_graph=cuda_graph,
-            rollback=rollback, threads=threads, plan_budget_s=plan_budget_s,
+            rollback=rollback, threads=threads, plan_budget_s=plan_budget_s, plan_cache=plan_cache,
         ),
         data_parallel=DataParallelOptions(
             enabled=distributed, pp=pp, mesh=mesh, dp_group=dp_group, pp_group=pp_group, bucket_mb=bucket_mb,
@@ -102,6 +106,7 @@ def wrap(
         ),
         concurrency=ConcurrencyOptions(branches=branches, split_grads=split_grads, early_update=early_update),
         sample=sample,
+        decision=decision,
     )
 
 

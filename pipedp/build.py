@@ -19,7 +19,7 @@ is refused: its copies would drift apart.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -29,7 +29,11 @@ from .decide.choose import decide, microbatch_choices
 from .decide.coupling import batch_coupled, contract, kept_note, resolve_microbatches
 from .decide.cut import build_plan, stage_devices
 from .decide.config import Config
+from .decide.cache import PlanCache, default_folder
 from .decide.decision import Decision
+from .decide.fingerprint import Fingerprint, fingerprint
+from .decide.reuse import reuse_or_decide
+from .decide.rules import shared_settings
 from .decide.layout import Layout
 from .decide.search import Measure
 from .device import canonical_device
@@ -60,6 +64,7 @@ class Pipeline:
     executor: Executor
     plan: Plan
     decision: Decision  # what planning chose: the cut, microbatches, layout, compile, threads, concurrency
+    record: dict[str, Any]  # the decision as plain data, to save and hand back (wrap's decision=)
     sync: GradSync | None  # gradient averaging over data-parallel replicas
     transport: Transport | None  # messages between pipeline ranks
     batchnorm: DeferredBatchNorm | None  # "batch", or a BatchNorm used by several stages: deferred updates
@@ -103,7 +108,7 @@ def build_pipeline(model: nn.Module, batch: torch.Tensor, options: PipelineOptio
                    devices: Sequence[torch.device], comm: Communicator, *, step: int = 0,
                    training: TrainingOptions | None = None, measure: Measure | None = None,
                    concurrency: ConcurrencyOptions | None = None, given: Layout | None = None,
-                   kernels: Swap | None = None) -> Pipeline:
+                   kernels: Swap | None = None, saved: Mapping[str, Any] | None = None) -> Pipeline:
     """The pipeline for ``model`` planned on ``batch`` (its first microbatch is what blocks are timed on).
 
     Planning (:func:`pipedp.decide.choose.decide`) makes every choice; this
@@ -112,7 +117,8 @@ def build_pipeline(model: nn.Module, batch: torch.Tensor, options: PipelineOptio
     ``measure`` replaces the clock of ``stages="auto"``'s trials (tests);
     ``given``: the world layout ``pp="auto"`` chose (:mod:`pipedp.world`);
     ``kernels``: the depthwise layers wrap swapped onto tuned kernels, left
-    on them or put back on torch's as the decision says.
+    on them or put back on torch's as the decision says. ``saved``: a
+    decision record to replay instead of planning (:mod:`pipedp.decide.reuse`).
     """
     training = training if training is not None else TrainingOptions()
     # With their indices (``cuda`` is ``cuda:<current>``), as tensors report theirs: stages, lanes and the
@@ -131,10 +137,14 @@ def build_pipeline(model: nn.Module, batch: torch.Tensor, options: PipelineOptio
     # Every rank must run the same plan: the first rank decides, the others follow.
     warm: dict[Config, list[Stage]] = {}  # compiled stages of the deciding rank's trials, to reuse
     was = kernels.on if kernels is not None else False
+    fp = _fingerprint(model, batch, devices, options, comm, training, concurrency, kernels)
+    # The cache holds decisions timed on the machine's own clock: not those of an injected one or of pp="auto".
+    cache = _plan_cache(options) if measure is None and given is None else None
     try:
-        profiles, decision = comm.decide(
+        profiles, decision, record = comm.decide(lambda: reuse_or_decide(
             lambda: decide(parts, model, sample, batch, devices, options, comm, training, concurrency, measure,
-                           warm=warm, given=given, kernels=kernels, coupled=coupled))
+                           warm=warm, given=given, kernels=kernels, coupled=coupled),
+            fp, [b.name for b in parts.blocks], saved, cache))
     except BaseException:
         if kernels is not None:  # trials may have switched them: as wrap left them
             kernels.use(was)
@@ -193,12 +203,28 @@ def build_pipeline(model: nn.Module, batch: torch.Tensor, options: PipelineOptio
         executor=executor,
         plan=plan,
         decision=decision,
+        record=record,
         sync=sync,
         transport=transport,
         batchnorm=deferred,
         buffers=BufferSnapshot(model),
         concurrency=concurrent,
     )
+
+
+def _fingerprint(model: nn.Module, batch: torch.Tensor, devices: Sequence[torch.device], options: PipelineOptions,
+                 comm: Communicator, training: TrainingOptions, concurrency: ConcurrencyOptions | None,
+                 kernels: Swap | None) -> Fingerprint:
+    """What this build's plan is made for: the model, the batch, every shared option, the world and the kernels."""
+    request = shared_settings(options, training, concurrency if concurrency is not None else ConcurrencyOptions())
+    request.update(world=comm.world, pp=comm.pp, kernels=list(kernels.levers) if kernels is not None else [False])
+    return fingerprint(model, batch, devices, request)
+
+
+def _plan_cache(options: PipelineOptions) -> PlanCache | None:
+    if options.plan_cache is False:
+        return None
+    return PlanCache(default_folder() if options.plan_cache is True else options.plan_cache)
 
 
 def _parts(model: nn.Module, sample: torch.Tensor, options: PipelineOptions,

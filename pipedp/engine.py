@@ -15,7 +15,7 @@ import statistics
 import warnings
 import weakref
 from dataclasses import replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,7 @@ from .device import resolve_devices
 from .decide.coupling import Resolved, batch_coupled, resolve_microbatches
 from .decide.cut import AUTO_MICROBATCHES
 from .decide.layout import Layout as WorldLayout
+from .decide.record import from_record
 from .decide.rules import check_rules
 from .distributed import Layout
 from .lower import in_layout, surrogate_loss
@@ -46,7 +47,7 @@ from .pipeline.gradsync import SyncStats
 from .pipeline.trace import Clock
 from .plan import Plan
 from .precision import LossScaler
-from .restore import check_checkpoint, undo_on_failure
+from .restore import EngineEntry, check_checkpoint, check_run_state, undo_on_failure
 from .snapshot import forked_rng, rng_state, set_rng_state
 from .step import LossFn, StepRunner, loss_reduction
 from .update import GradientStep
@@ -75,6 +76,8 @@ class Engine:
             a sum when its ``reduction`` is ``"sum"`` (``"none"`` is refused).
         pipeline, data_parallel, kernels, training, concurrency: the option groups (defaults when None).
         sample: a batch (or its shape) to plan with now; else the first batch.
+        decision: a saved decision (:meth:`decision_record`, or a checkpoint's
+            ``["engine"]["decision"]``) to rebuild that plan without planning.
     """
 
     def __init__(
@@ -89,6 +92,7 @@ class Engine:
         training: TrainingOptions | None = None,
         concurrency: ConcurrencyOptions | None = None,
         sample: torch.Tensor | Sequence[int] | None = None,
+        decision: Mapping[str, Any] | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -106,6 +110,12 @@ class Engine:
         self.loss_fn = loss_fn
         self.optimizer = check_optimizer(model, optimizer)
         dp_options = data_parallel if data_parallel is not None else DataParallelOptions()
+        if decision is not None:
+            from_record(decision)  # a value that is no saved decision is refused here, before any work
+            if dp_options.pp == "auto":
+                raise ValueError("decision= replays one rank's saved plan, but pp='auto' chooses the world's layout "
+                                 "anew: pass pp=N (the pipeline ranks it was made with) with decision=")
+        self._saved = decision
         self.world: WorldChoice | None = None  # what pp="auto" chose (None: pp given, or one process)
         if dp_options.pp == "auto" and dp_options.enabled and dist.is_available() and dist.is_initialized() \
                 and dist.get_world_size() > 1:
@@ -187,7 +197,7 @@ class Engine:
                                                self.comm, step=self.steps, training=self.training_options,
                                                concurrency=self.concurrency_options,
                                                given=self.world.layout if self.world is not None else None,
-                                               kernels=self._kernels)
+                                               kernels=self._kernels, saved=self._saved)
         self._plan = pipe.plan
         # Not a method of self: the finalizer must not keep the engine alive. It runs at close() or when the
         # engine is collected, so a dropped engine leaves no hooks on the user's model.
@@ -255,6 +265,14 @@ class Engine:
         if sync is not None and sync.step:
             self._plan = self._plan.with_sync(sync.describe())
         return self._plan
+
+    def decision_record(self) -> dict[str, Any]:
+        """The plan's decision as plain data: hand it to ``wrap(..., decision=)`` to rebuild this plan without
+        planning (:meth:`state_dict` saves it too). Available once the plan is made."""
+        if self._pipe is None:
+            raise RuntimeError("the decision is made from the first batch: pass sample= to wrap(), or run "
+                               "train_step()/engine(x) first")
+        return copy.deepcopy(self._pipe.record)
 
     def sync_stats(self) -> SyncStats | None:
         """The last step's gradient sync: ms in flight, hidden behind compute, and waited for.
@@ -374,12 +392,56 @@ class Engine:
         """
         stages = self._pipe.executor.stages if self._pipe is not None else None
         model, optim = self.comm.model_state(self.module, stages, self.optimizer)
-        entry = {"steps": self.steps, "format": CHECKPOINT_FORMAT, "rng": self.comm.rng_states(rng_state())}
+        entry = self.run_state()
         if self.optimizer is not None:  # checked at load: Adam and AdamW state dicts look alike
             entry["optimizer_class"] = type(self.optimizer).__name__
+        return {"model": model, "optimizer": optim, "engine": entry}
+
+    def run_state(self) -> dict[str, Any]:
+        """What a script that saves the model and optimizer itself must save beside them to resume exactly.
+
+        The step count, every rank's RNG states (dropout, augmentation), fp16's
+        loss scale and the plan's decision (to hand back to ``wrap(...,
+        decision=)``): plain data and tensors, loadable with
+        ``weights_only=True``. :meth:`state_dict` holds it as ``["engine"]``.
+        Collective under torch.distributed (the RNG states are gathered).
+        """
+        entry: dict[str, Any] = {"steps": self.steps, "format": CHECKPOINT_FORMAT,
+                                 "rng": self.comm.rng_states(rng_state())}
         if self.scaler is not None:
             entry["scaler"] = self.scaler.state_dict()
-        return {"model": model, "optimizer": optim, "engine": entry}
+        if self._pipe is not None:  # the plan trained with, to replay on resume (wrap's decision=)
+            entry["decision"] = copy.deepcopy(self._pipe.record)
+        return entry
+
+    def load_run_state(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`run_state` saved beside the script's own model and optimizer state.
+
+        The step count, this rank's RNG states and the loss scale; checked
+        first, so a bad value changes nothing.
+        """
+        entry = check_run_state(state, CHECKPOINT_FORMAT)
+        self._apply_run_state(state, entry)
+
+    def _apply_run_state(self, state: Mapping[str, Any], entry: EngineEntry) -> None:
+        rank, world = self.comm.rank, self.comm.world
+        if entry.rng is not None and len(entry.rng) == world:
+            set_rng_state(entry.rng[rank])
+        self.steps = entry.steps
+        if self.scaler is not None:  # checked; a checkpoint without one starts from the initial scale
+            self.scaler.load_state_dict(entry.scaler)
+        saved = state.get("decision")
+        if saved is not None and self._pipe is not None and saved.get("config") != self._pipe.record.get("config"):
+            warnings.warn(
+                f"the checkpoint was trained with the plan {from_record(saved)[1].config.label}, this engine runs "
+                f"{self._pipe.decision.config.label}: to resume with the saved plan, pass "
+                f"decision=checkpoint['engine']['decision'] to wrap()", stacklevel=3)
+        if entry.rng is not None and len(entry.rng) != world:
+            warnings.warn(
+                f"the checkpoint holds RNG states of {len(entry.rng)} rank(s), this run has {world}: RNG states "
+                f"are not restored, so random augmentation/dropout will not continue the saved streams",
+                stacklevel=3,
+            )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`: model, optimizer, step and this rank's RNG states.
@@ -392,22 +454,11 @@ class Engine:
             # The optimizer gets new state tensors; a captured step would update the old ones.
             self._runner.graph.reset()
             self.module.zero_grad(set_to_none=True)
-        rank, world = self.comm.rank, self.comm.world
         with undo_on_failure(self.module, self.optimizer):
             self.module.load_state_dict(state["model"])
             if state["optimizer"] is not None and self.optimizer is not None:
                 self.optimizer.load_state_dict(state["optimizer"])
-            if entry.rng is not None and len(entry.rng) == world:
-                set_rng_state(entry.rng[rank])
-        self.steps = entry.steps
-        if self.scaler is not None:  # checked above; a checkpoint without one starts from the initial scale
-            self.scaler.load_state_dict(entry.scaler)
-        if entry.rng is not None and len(entry.rng) != world:
-            warnings.warn(
-                f"the checkpoint holds RNG states of {len(entry.rng)} rank(s), this run has {world}: RNG states "
-                f"are not restored, so random augmentation/dropout will not continue the saved streams",
-                stacklevel=2,
-            )
+            self._apply_run_state(state["engine"], entry)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write :meth:`state_dict` to ``path`` atomically (global rank 0 writes; collective when distributed).

@@ -121,6 +121,10 @@ class PipelineOptions:
     ``plan_budget_s``: seconds ``stages="auto"`` may spend planning (profiling,
     timed trials, compiles): trials are sized to fit it, and finalists and
     compiles (``compile="auto"``) that would not fit are skipped, with a note.
+    ``plan_cache``: reuse the decision made for the same model, input shape,
+    options, machine and versions (:mod:`pipedp.decide.cache`): True (the
+    per-user cache, or ``$PIPEDP_PLAN_CACHE``), a folder, or False to plan
+    every time.
     """
 
     microbatches: MicrobatchSpec = None
@@ -136,6 +140,7 @@ class PipelineOptions:
     rollback: bool = field(default=True, metadata=_LOCAL)
     threads: ThreadsSpec = None
     plan_budget_s: float = field(default=30.0, metadata=_LOCAL)  # only the deciding rank plans
+    plan_cache: bool | str | os.PathLike[str] = field(default=True, metadata=_LOCAL)  # read by the deciding rank
 
     def __post_init__(self) -> None:
         _stages(self.stages)
@@ -147,6 +152,8 @@ class PipelineOptions:
         non_negative_int("measure_steps", self.measure_steps)
         for name in ("profile", "progress", "cuda_graph", "rollback"):
             _flag(name, getattr(self, name))
+        if not isinstance(self.plan_cache, (bool, str, os.PathLike)):
+            raise ValueError(f"plan_cache must be True, False or a folder path, got {self.plan_cache!r}")
         if isinstance(self.plan_budget_s, bool) or not isinstance(self.plan_budget_s, (int, float)) \
                 or not self.plan_budget_s >= 0:
             raise ValueError(f"plan_budget_s must be a number of seconds >= 0, got {self.plan_budget_s!r}")

@@ -30,7 +30,7 @@ from torch import nn
 from .precision import check_scaler_state
 from .snapshot import rng_state, set_rng_state
 
-__all__ = ["EngineEntry", "check_checkpoint", "undo_on_failure"]
+__all__ = ["EngineEntry", "check_checkpoint", "check_run_state", "undo_on_failure"]
 
 _RNG_KEYS = {"torch", "cuda", "python", "numpy"}
 _LIST = 4  # differences named in one message
@@ -191,24 +191,28 @@ def check_checkpoint(state: Any, module: nn.Module, optimizer: torch.optim.Optim
             "not an engine checkpoint (needs keys 'model', 'optimizer', 'engine'); "
             "to load plain model weights use engine.module.load_state_dict(...)"
         )
-    entry = state["engine"]
+    checked = check_run_state(state["engine"], newest_format)
+    _check_model(module, state["model"])
+    saved_class = state["engine"].get("optimizer_class")
+    if saved_class is not None and not isinstance(saved_class, str):
+        raise ValueError(f"the checkpoint's engine entry has optimizer_class={saved_class!r:.60}, not a class name")
+    names = {id(p): n for n, p in module.named_parameters()}
+    _check_optimizer(optimizer, state["optimizer"], names, saved_class)
+    return checked
+
+
+def check_run_state(entry: Any, newest_format: int) -> EngineEntry:
+    """Check the engine's own entry (``state_dict()["engine"]``, or ``run_state()``); changes nothing."""
     if not isinstance(entry, Mapping):
-        raise ValueError(f"the checkpoint's 'engine' entry is a {type(entry).__name__}, not a dict")
+        raise ValueError(f"the checkpoint's 'engine' entry is a {type(entry).__name__}, not a dict: pass what "
+                         f"engine.run_state() or engine.state_dict()['engine'] returned")
     steps, fmt = entry.get("steps", 0), entry.get("format", newest_format)
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
         raise ValueError(f"the checkpoint's engine entry has steps={steps!r}, not a count of steps")
     if not isinstance(fmt, int) or fmt > newest_format:
         raise ValueError(f"the checkpoint is in format {fmt!r}, this pipedp reads up to {newest_format}: "
                          f"upgrade pipedp to load it")
-    rng = _check_rng(entry.get("rng"))
-    scaler = check_scaler_state(entry.get("scaler"))
-    _check_model(module, state["model"])
-    saved_class = entry.get("optimizer_class")
-    if saved_class is not None and not isinstance(saved_class, str):
-        raise ValueError(f"the checkpoint's engine entry has optimizer_class={saved_class!r:.60}, not a class name")
-    names = {id(p): n for n, p in module.named_parameters()}
-    _check_optimizer(optimizer, state["optimizer"], names, saved_class)
-    return EngineEntry(steps=steps, rng=rng, scaler=scaler)
+    return EngineEntry(steps=steps, rng=_check_rng(entry.get("rng")), scaler=check_scaler_state(entry.get("scaler")))
 
 
 @contextlib.contextmanager

@@ -437,7 +437,7 @@ def test_save_and_load_resume_bit_identically_with_dropout(tmp_path):
     assert torch.equal(a_loss, b_loss)
     assert all(torch.equal(p, q) for p, q in zip(a.module.state_dict().values(), b.module.state_dict().values()))
     entry = torch.load(tmp_path / "ckpt.pt", weights_only=True)["engine"]
-    assert set(entry) == {"steps", "format", "rng", "optimizer_class"} and entry["optimizer_class"] == "SGD"
+    assert set(entry) == {"steps", "format", "rng", "optimizer_class", "decision"} and entry["optimizer_class"] == "SGD"
 
 
 def test_microbatches_auto_lets_the_plan_choose_them():
@@ -478,3 +478,87 @@ def test_stages_passing_tuples_of_tensors_train_exactly(schedule, stages, extra)
     assert max((p - params[n]).abs().max().item() for n, p in ref.named_parameters()) <= TOL
     if not extra:  # batch mode updates the running statistics once per step, from the whole batch
         assert max_diff(model, ref) <= TOL
+
+
+def _timed_engine(model, **kw):
+    """stages='auto' as users run it: profiled and timed (the plan cache is the test's own folder)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return pipedp.wrap(model, optimizer=opt, loss_fn=nn.CrossEntropyLoss(), progress=False, plan_budget_s=5, **kw)
+
+
+def test_a_checkpoints_decision_rebuilds_its_plan_without_planning_and_resumes_exactly(tmp_path, monkeypatch):
+    batches = data(n=8, size=8, steps=4, seed=3)
+    torch.manual_seed(0)
+    a = _timed_engine(resnet18(width=4), microbatches="auto", sample=batches[0][0])
+    a.train_step(*batches[0])
+    a.save(tmp_path / "ckpt.pt")
+    losses = [a.train_step(x, y) for x, y in batches[1:]]
+
+    def no_planning(*args, **kw):
+        raise AssertionError("a saved decision was planned anew")
+
+    monkeypatch.setattr("pipedp.build.decide", no_planning)
+    saved = pipedp.checkpoint.load(tmp_path / "ckpt.pt")
+    torch.manual_seed(7)
+    b = _timed_engine(resnet18(width=4), microbatches="auto", plan_cache=False, decision=saved["engine"]["decision"],
+                      sample=batches[0][0])
+    b.load_state_dict(saved)
+    assert b.plan.microbatches == a.plan.microbatches and b.plan.trials == a.plan.trials
+    assert b.plan.notes[0].startswith("plan replayed from the saved decision")
+    assert [b.train_step(x, y) for x, y in batches[1:]] == losses
+    assert b.decision_record() == a.decision_record()
+
+
+def test_a_second_wrap_of_one_model_replays_the_cached_plan(monkeypatch):
+    x = torch.randn(8, 3, 8, 8)
+    torch.manual_seed(0)
+    first = _timed_engine(resnet18(width=4), sample=x)
+    monkeypatch.setattr("pipedp.build.decide", lambda *a, **k: pytest.fail("planned although the cache holds it"))
+    torch.manual_seed(0)
+    second = _timed_engine(resnet18(width=4), sample=x)
+    assert second.decision_record() == first.decision_record()
+    assert "plan replayed from the plan cache" in second.plan.notes[0]
+    monkeypatch.undo()
+    third = _timed_engine(resnet18(width=4), sample=x, plan_cache=False, microbatches=2)  # another request
+    with pytest.raises(pipedp.decide.record.RecordError, match="the request differ"):
+        _timed_engine(resnet18(width=4), sample=x, decision=third.decision_record())
+
+
+def test_loading_a_checkpoint_of_another_plan_says_how_to_replay_it(tmp_path):
+    torch.manual_seed(0)
+    a = engine_for(sequential_cnn(), microbatches=2, stages=2)
+    a.train_step(*data(n=8, size=8, steps=1)[0])
+    a.save(tmp_path / "ckpt.pt")
+    torch.manual_seed(0)
+    b = engine_for(sequential_cnn(), microbatches=4, stages=1, sample=(8, 3, 8, 8))
+    with pytest.warns(UserWarning, match=r"trained with the plan 2x2, this engine runs 1x4: .*decision="):
+        b.load(tmp_path / "ckpt.pt")
+
+
+def test_a_value_that_is_no_saved_decision_is_refused_at_wrap():
+    with pytest.raises(ValueError, match="not a saved pipedp decision"):
+        engine_for(sequential_cnn(), microbatches=2, stages=2, decision={"config": {}})
+
+
+def test_a_script_that_saves_its_own_checkpoint_resumes_exactly_with_the_run_state(tmp_path):
+    def fresh():
+        torch.manual_seed(0)
+        return engine_for(nn.Sequential(sequential_cnn(), nn.Dropout(0.5)), microbatches=2, stages=2, depth=2)
+
+    batches = data(n=8, size=8, steps=5, seed=4)
+    a = fresh()
+    for x, y in batches[:2]:
+        a.train_step(x, y)
+    torch.save({"weights": a.module.state_dict(), "opt": a.optimizer.state_dict(), "pipedp": a.run_state()},
+               tmp_path / "mine.pt")  # the script's own format
+    losses = [a.train_step(x, y) for x, y in batches[2:]]
+    b = fresh()
+    torch.manual_seed(99)
+    mine = torch.load(tmp_path / "mine.pt", weights_only=True)
+    b.module.load_state_dict(mine["weights"])
+    b.optimizer.load_state_dict(mine["opt"])
+    b.load_run_state(mine["pipedp"])
+    assert b.steps == 2 and [b.train_step(x, y) for x, y in batches[2:]] == losses
+    with pytest.raises(ValueError, match="steps=-1"):
+        b.load_run_state({**mine["pipedp"], "steps": -1})
+    assert b.steps == 5

@@ -160,8 +160,10 @@ def decide(parts: Parts, model: nn.Module, sample: torch.Tensor, batch: torch.Te
         measured = options.profile and (by_trials or threaded or not given_cut)
         if measured:
             # Where the trials time one-stage plans only (a CPU in one process) the cut is the whole model and
-            # the profile decides nothing: one pass after one warm-up gives the plan table its figures.
-            serial = by_trials and devices[0].type != "cuda"
+            # the profile decides nothing; a given stage count needs block costs only to place its cut points:
+            # one pass after one warm-up gives either its figures.
+            serial = (by_trials and devices[0].type != "cuda") or (isinstance(options.stages, int) and not threaded
+                                                                    and not by_trials)
             rounds = dict(warmup=SERIAL_PROFILE[0], repeats=SERIAL_PROFILE[1]) if serial else {}
             profiles = profile_blocks(blocks, sample, progress=options.progress, copy_input=parts.copy_input,
                                       **rounds)

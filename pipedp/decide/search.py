@@ -532,8 +532,9 @@ def _choose(space: Space, trials: _Trials, ranked: list[Config], margin: float, 
                      f"of them, {best.label} ({trials.best(best):.2f} ms)")
         return best, bar
     if 1 in space.microbatches or best is None:
-        own = _nearest(trials, [c for c in trials.ms if c.own and c.precision is None and c not in trials.cold]
-                       or [bar], margin)
+        # The bar itself always competes (its first call, if cold, is an upper bound and still the fastest).
+        own = _nearest(trials, [c for c in trials.ms if c.own and c.precision is None
+                                and (c not in trials.cold or c == bar)], margin)
         if own == bar:
             notes.append(f"stages=auto: no plan beat the strongest alternative, {bar.label} ({bar_ms:.2f} ms), "
                          f"by {margin:.0%} in {on}: the plan is that step itself")
