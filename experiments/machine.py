@@ -40,6 +40,11 @@ def describe(device: torch.device | str = "cpu") -> dict[str, object]:
         "python": platform.python_version(),
         "device": str(device),
     }
+    # What torch's kernels may use (an AVX-512 machine run as an AVX2 one sets both): part of the machine.
+    capped = {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if os.environ.get(k)}
+    if capped:
+        out["isa_capped"] = capped
+        out["aten_capability"] = torch.backends.cpu.get_cpu_capability()
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         out.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1), cuda=torch.version.cuda)

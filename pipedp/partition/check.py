@@ -23,9 +23,11 @@ from ..snapshot import BufferSnapshot, preserved_state, rng_state, set_rng_state
 from .blocks import Block, Chain, CutError, module_mode
 from .boundary import Value, is_value, leaf, map_tensors, tensors
 
-__all__ = ["check_chain", "changes_input", "mutates_input", "TRAIN_CHECK_SAMPLES"]
+__all__ = ["check_chain", "changes_input", "mutates_input", "CHECK_SAMPLES"]
 
-TRAIN_CHECK_SAMPLES = 4  # samples of the planning batch the train-mode check runs on (model and blocks, fwd + bwd)
+# Samples of the planning batch each check runs on: what a cut computes does not depend on the batch size, and
+# the whole first microbatch (a batch of 224-pixel images, say) made the check cost seconds per plan.
+CHECK_SAMPLES = 4
 
 
 _INPLACE_LEAF = "leaf Variable that requires grad is being used in an in-place operation"
@@ -45,11 +47,13 @@ def check_chain(model: nn.Module, blocks: list[Block], sample: torch.Tensor) -> 
     A model output with NaN/inf cannot be compared, so it is refused as such
     (naming where the NaN/inf first appears) rather than passed unchecked.
     Then in train mode with gradients (:func:`_check_training`). Every run
-    is on a copy of ``sample``, with the generators forked.
+    is on a copy of ``sample``'s first :data:`CHECK_SAMPLES` samples, with
+    the generators forked.
     """
+    sample = sample[:CHECK_SAMPLES]
     _check_inference(model, blocks, sample)
     flags = changes_input(model, blocks, sample)
-    _check_training(model, blocks, sample[:TRAIN_CHECK_SAMPLES], input_grad=not flags[0])
+    _check_training(model, blocks, sample, input_grad=not flags[0])
     return flags
 
 

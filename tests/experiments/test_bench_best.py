@@ -31,7 +31,8 @@ def test_every_alternative_is_timed_and_the_rest_skipped_with_a_reason(quick_run
         ("resnet18@16/10", 8, "fp32"), ("resnet18@16/10", 8, "bf16")]
     for g in data_["groups"]:
         rows = g["rows"]
-        assert ALTERNATIVES <= set(rows) and set(rows) <= ALTERNATIVES | {"pipedp"}
+        assert ALTERNATIVES <= set(rows) and set(rows) <= ALTERNATIVES | {"pipedp", "pipedp-defaults"}
+        assert "pipedp-defaults" in rows
         for name, row in rows.items():
             assert row["ms_per_step"] > 0 and len(row["windows_ms"]) == 2 and row["setup_s"] > 0, name
             assert row["spread_ms"] == [min(row["windows_ms"]), max(row["windows_ms"])]
@@ -51,11 +52,14 @@ def test_ratios_come_from_the_medians_and_the_bar_excludes_pipedp(quick_run):
         assert set(alternatives) == ALTERNATIVES
         best = min(alternatives, key=lambda n: alternatives[n]["ms_per_step"])
         assert g["best_alternative"] == best and g["best_alternative_ms"] == rows[best]["ms_per_step"]
+        same = min((n for n in alternatives if "accum" not in n), key=lambda n: alternatives[n]["ms_per_step"])
+        assert g["best_same_math"] == same and "accum" not in same
         for name, row in rows.items():
             # a median of two windows is their mean
             assert row["ms_per_step"] == pytest.approx(sum(row["windows_ms"]) / 2)
             assert row["vs_best"] == pytest.approx(rows[best]["ms_per_step"] / row["ms_per_step"])
             assert row["vs_eager"] == pytest.approx(rows["eager-nchw"]["ms_per_step"] / row["ms_per_step"])
+            assert row["vs_same_math"] == pytest.approx(rows[same]["ms_per_step"] / row["ms_per_step"])
             paired = sorted(b / w for b, w in zip(rows[best]["windows_ms"], row["windows_ms"]))
             assert row["vs_best_paired"] == pytest.approx(sum(paired) / 2)  # per round, then the median
         assert rows[best]["vs_best"] == 1.0 and all(r["vs_best"] <= 1.0 for r in alternatives.values())
@@ -106,7 +110,7 @@ def test_kernel_db_runs_pipedp_on_its_tuned_kernels_and_none_runs_torchs(tmp_pat
              "--plan-budget", "2", "--rounds", "1"]
     assert main(quick + ["--kernel-db", str(db), "--out", str(tmp_path / "a.json")]) == 0
     assert main(quick + ["--out", str(tmp_path / "b.json")]) == 0
-    assert asked == [("auto", str(db)), ("torch", None)]
+    assert asked == [("auto", str(db))] * 2 + [("torch", None)] * 2  # pipedp and pipedp-defaults
     a, b = (json.loads((tmp_path / f).read_text()) for f in ("a.json", "b.json"))
     assert (a["kernel_db"], b["kernel_db"]) == (str(db), None)
     assert a["groups"][0]["rows"]["pipedp"]["kernel_layers"] == 0  # nothing exported for this CPU
