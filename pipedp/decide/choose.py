@@ -100,7 +100,7 @@ def _hint_precision(training: TrainingOptions, model: nn.Module, device: torch.d
 
 def _space(parts: Parts, profiles: Sequence[BlockProfile], model: nn.Module, device: torch.device,
            choices: Sequence[int], training: TrainingOptions, concurrency: ConcurrencyOptions | None,
-           hazard: str | None, kernels: tuple[bool, ...] = (False,)) -> Space:
+           hazard: str | None, kernels: tuple[bool, ...] = (False,), accumulate: int | None = None) -> Space:
     costs = [p.cost_ms for p in profiles]
     pieces = concurrency is not None and (concurrency.branches or concurrency.split_grads)
     return Space(
@@ -115,6 +115,7 @@ def _space(parts: Parts, profiles: Sequence[BlockProfile], model: nn.Module, dev
         concurrent=pieces and device.type == "cuda",
         kernels=kernels,
         hint=_hint_precision(training, model, device),
+        accumulate=accumulate,
         compile_estimate_s=_compile_estimate_s(model, device),
     )
 
@@ -187,7 +188,8 @@ def decide(parts: Parts, model: nn.Module, sample: torch.Tensor, batch: torch.Te
                 kernels=kernels.use if kernels is not None and levers != (False,) else None)
             hazard = channels_last_hazard(model, devices[0], batch) if training.channels_last == "auto" else None
             decision = _timed(_space(parts, profiles, model, devices[0], choices, training, concurrency, hazard,
-                                     levers), clock, budget, options, devices[0], warm)
+                                     levers, _kept_whole(options, coupled, batch.shape[0])),
+                              clock, budget, options, devices[0], warm)
             decision = replace(decision, notes=(*decision.notes, *(n for n in (hazard, _serial(devices[0])) if n)))
             if pieces and devices[0].type != "cuda":  # not timed (a CPU runs them in order): as the user asked
                 decision = replace(decision, config=replace(decision.config, concurrent=True))
@@ -222,6 +224,14 @@ def _timed(space: Space, clock: Measure, budget: Budget, options: PipelineOption
             if warm is not None:
                 warm.update(clock.stages)
             clock.close()
+
+
+def _kept_whole(options: PipelineOptions, coupled: str | None, batch: int) -> int | None:
+    """The microbatches to time once for a hint where the default kept a BatchNorm model at one (else None)."""
+    if options.microbatches is not None or coupled is None:
+        return None
+    fits = [m for m in AUTO_MICROBATCHES if m > 1 and microbatch.count(batch, m) == m]
+    return min(fits, key=lambda m: abs(m - 4)) if fits else None
 
 
 def _serial(device: torch.device) -> str | None:

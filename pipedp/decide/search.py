@@ -93,7 +93,9 @@ class Space:
     concurrency pieces; ``kernels``: tuned depthwise kernels off, on (every
     plan runs them), or both (the plans are walked on torch's, and the two
     fastest, and the plain step where no plan beats the bar, are timed on
-    them too); ``hint``: a precision to time for the hint, or None.
+    them too); ``hint``: a precision to time for the hint, or None;
+    ``accumulate``: a microbatch count to time once for a hint where the
+    user's math keeps one microbatch (a BatchNorm model, ``microbatches=None``).
     """
 
     cut: Callable[[int], tuple[int, ...]]
@@ -105,6 +107,7 @@ class Space:
     concurrent: bool = False
     kernels: tuple[bool, ...] = (False,)
     hint: str | None = None
+    accumulate: int | None = None  # microbatches timed once for a hint where the user's math keeps one
     compile_estimate_s: float = 0.0  # seconds a first compile is expected to take (before one is measured)
 
     @property
@@ -272,6 +275,8 @@ def search(space: Space, measure: Measure, budget: Budget, *, margin: float = MI
         ranked = sorted(ranked, key=trials.best)
     chosen, bar = _choose(space, trials, ranked, margin, f"timed trials on {where}", notes)
     hint = _hint(space, trials, budget, replace(bar, compiled=space.compile == (True,)))
+    more = _accumulation_hint(space, trials, budget, chosen)
+    hint = "\n".join(h for h in (hint, more) if h)
     return Decision(chosen, tuple(notes), tuple((c.label, trials.best(c)) for c in trials.order),
                     bar=bar.label, bar_ms=trials.best(bar), hint=hint)
 
@@ -591,6 +596,27 @@ def _hint(space: Space, trials: _Trials, budget: Budget, eager: Config) -> str:
         return ""
     return (f"hint: {space.hint} autocast ran the plain step {factor:.2f}x faster here; pass "
             f"precision='{space.hint}' if the model trains well in it (the plan keeps your precision)")
+
+
+def _accumulation_hint(space: Space, trials: _Trials, budget: Budget, chosen: Config) -> str:
+    """One line when accumulating over ``space.accumulate`` microbatches ran measurably faster than the plan
+    that keeps the user's math (timed once, never applied: it would change what BatchNorm normalises over)."""
+    if space.accumulate is None:
+        return ""
+    ms = trials.best(chosen) if chosen in trials.ms else trials.best(_bar(trials))
+    other = space.plan(1, space.accumulate, chosen.channels_last, False)
+    if other in trials.ms or budget.left() < trials.cost_s(other):
+        return ""
+    try:
+        trials.time(other, 1)
+    except Exception:  # noqa: BLE001 - a configuration that cannot run gives no hint, not an error
+        return ""
+    factor = ms / trials.best(other)
+    if factor < HINT_FACTOR:
+        return ""
+    return (f"hint: accumulation over {space.accumulate} microbatches ran the step {factor:.2f}x faster here "
+            f"(BatchNorm then normalises per microbatch, not over the batch); pass microbatches='auto' to let the "
+            f"plan choose it")
 
 
 def allowed(value: bool | str) -> tuple[bool, ...]:

@@ -142,6 +142,22 @@ def test_the_precision_hint_needs_a_measured_factor_and_never_changes_the_plan()
     assert run(space(), table | {"plain bf16 channels_last": 1.0})[0].hint == ""  # not asked: not timed
 
 
+def test_a_model_kept_at_one_microbatch_hears_what_accumulation_would_give_and_keeps_its_math():
+    table = {"plain": 10.0, "plain channels_last": 8.0, "1x4 channels_last": 4.0}
+    d, clock = run(space(microbatches=(1,), accumulate=4), table)
+    assert d.config.microbatches == 1 and d.chosen == "1x1 channels_last"
+    assert d.hint.startswith("hint: accumulation over 4 microbatches ran the step 2.00x faster here")
+    assert "microbatches='auto'" in d.hint and clock.seen.count("1x4 channels_last") == 1
+    table["1x4 channels_last"] = 8.0 / (HINT_FACTOR - 0.05)
+    assert run(space(microbatches=(1,), accumulate=4), table)[0].hint == ""
+    d, clock = run(space(microbatches=(1,)), table | {"1x4 channels_last": 1.0})
+    assert d.hint == "" and "1x4 channels_last" not in clock.seen  # not asked: not timed
+    both = run(space(microbatches=(1,), accumulate=4, hint="bf16"),
+               {"plain": 10.0, "plain channels_last": 8.0, "1x4 channels_last": 4.0, "plain bf16 channels_last": 4.0})
+    assert [h.split(" ran")[0] for h in both[0].hint.splitlines()] == ["hint: bf16 autocast",
+                                                                       "hint: accumulation over 4 microbatches"]
+
+
 def test_the_hint_weighs_first_calls_against_first_calls_and_warm_steps_against_warm_steps():
     # MobileNetV2 fp32 on the AVX-512 EPYC: the bf16 step's first call (2223 ms) against the bar's first call
     # (2141 ms) read 0.96x, and no hint, where bf16 ran it twice as fast once warm. Against a warm bar the bf16
