@@ -1,0 +1,112 @@
+"""Benchmark: data parallelism and pipelines across a slow link, against DDP and its compression hooks.
+
+Where the gradient all-reduce waits on the link, a pipeline that sends only
+activations may win. For each link rate this makes an emulated cluster of 2
+nodes (:mod:`experiments.cluster`: network namespaces, links shaped by
+``tc``), runs :mod:`experiments.links_worker` on both under torchrun (gloo,
+1 process x ``--threads`` threads per node), and reports per model the step
+of every configuration (DDP, DDP with the fp16 hook, DDP with PowerSGD,
+pipedp data parallel with and without a 16-bit reduce, the pipeline over 2
+ranks at each microbatch count, ``pp="auto"``) in alternating windows, the
+fastest exact one, and what ``pp="auto"`` chose. Needs root (see the
+cluster module).
+
+    python -m experiments.bench_links --rates none,1000,100 --models resnet18 --out links.json --md links.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from typing import Any, Sequence
+
+from pipedp import console
+
+from .cluster import Cluster, ClusterSpec, Link
+from .machine import describe
+from .report import write_json
+
+PROG = "python -m experiments.bench_links"
+
+
+def _rate(text: str) -> float | None:
+    return None if text in ("none", "unlimited") else float(text)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = console.make_parser(PROG, __doc__)
+    p.add_argument("--rates", default="none,1000,100", help="comma list of link rates in Mbit/s ('none': unlimited)")
+    p.add_argument("--models", default="resnet18,vgg11_bn", help="comma list: pipedp.models names or vgg11_bn")
+    p.add_argument("--batch", type=int, default=64, help="global batch per step")
+    p.add_argument("--microbatches", default="2,4,8", help="microbatch counts of the pipeline rows")
+    p.add_argument("--rounds", type=int, default=3, help="alternating windows per configuration")
+    p.add_argument("--steps", type=int, default=2, help="steps per window")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--width", type=int, default=None, help="base width of pipedp's zoo models (default theirs)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per rate before the run is killed")
+    p.add_argument("--out", default=None, help="results JSON")
+    p.add_argument("--md", default=None, help="markdown table")
+    return p
+
+
+def _table(report: dict[str, Any]) -> str:
+    lines = [f"Machine: {report['machine']['cpu']}, {report['machine']['cpu_cores']} cores; 2 nodes x 1 process x "
+             f"{report['settings']['threads']} thread(s), gloo; global batch {report['settings']['batch']}; "
+             f"{report['settings']['rounds']} rounds x {report['settings']['steps']} steps, median window (ms). "
+             f"Ratios paired per round, against DDP.", "",
+             "| link | model | DDP | DDP fp16 | DDP PowerSGD (lossy) | pipedp DP | pipedp DP fp16 | best pipeline "
+             "| pp=auto (its choice) | fastest exact | auto / fastest exact |",
+             "|---|---|---:|---:|---:|---:|---:|---|---|---|---:|"]
+    for run in report["runs"]:
+        for r in run["results"]:
+            ms, pp = r["ms"], r["best_pipeline"]
+            lines.append(
+                f"| {run['link']} | {r['model']} | {ms['ddp']:.0f} | {ms['ddp-fp16']:.0f} | {ms['ddp-powersgd']:.0f} "
+                f"| {ms['pipedp-dp']:.0f} ({r['vs_ddp']['pipedp-dp']:.2f}x) | {ms['pipedp-dp-fp16']:.0f} "
+                f"| {pp}: {ms[pp]:.0f} ({r['vs_ddp'][pp]:.2f}x) | {ms['pp-auto']:.0f} ({r['auto']['chosen']}) "
+                f"| {r['best_exact']} | {r['auto']['vs_best_exact']:.2f}x |")
+    return "\n".join(lines)
+
+
+def bench(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = _parser().parse_args(argv)
+    report: dict[str, Any] = {"benchmark": "bench_links", "date": time.strftime("%Y-%m-%d"),
+                              "machine": describe("cpu"), "settings": {k: v for k, v in vars(args).items()
+                                                                       if k not in ("out", "md")}, "runs": []}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for text in args.rates.split(","):
+        link = Link(rate_mbit=_rate(text))
+        print(f"{PROG}: link {link.describe()}", file=sys.stderr, flush=True)
+        with tempfile.TemporaryDirectory() as tmp, Cluster(ClusterSpec(2, between=link)) as c:
+            out = os.path.join(tmp, "results.json")
+            env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=root)
+            codes = c.torchrun(["-m", "experiments.links_worker", "--models", args.models, "--batch", str(args.batch),
+                                "--microbatches", args.microbatches, "--rounds", str(args.rounds), "--steps",
+                                str(args.steps), "--threads", str(args.threads), "--out", out,
+                                *(["--width", str(args.width)] if args.width else [])],
+                               env=env, cwd=root).wait_all(args.timeout)
+            if any(codes) or not os.path.exists(out):
+                raise RuntimeError(f"the workers on the {link.describe()} link exited with {codes}")
+            with open(out) as f:
+                report["runs"].append({"link": link.describe(), "rate_mbit": link.rate_mbit, "results": json.load(f)})
+        if args.out:
+            write_json(args.out, report, indent=2)
+    table = _table(report)
+    print(table)
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(table + "\n")
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """python -m experiments.bench_links: exit status 0 on success; a failure is one line on stderr, status 1."""
+    return console.run_job(bench, argv, PROG)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
