@@ -47,10 +47,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=2, help="steps per window")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--width", type=int, default=None, help="base width of pipedp's zoo models (default theirs)")
+    p.add_argument("--powersgd", action="store_true", help="also DDP with PowerSGD (rank 2; lossy)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per rate before the run is killed")
     p.add_argument("--out", default=None, help="results JSON")
     p.add_argument("--md", default=None, help="markdown table")
     return p
+
+
+def _ms(ms: dict[str, float], key: str) -> str:
+    return f"{ms[key]:.0f}" if key in ms else "-"
 
 
 def _table(report: dict[str, Any]) -> str:
@@ -65,8 +70,9 @@ def _table(report: dict[str, Any]) -> str:
         for r in run["results"]:
             ms, pp = r["ms"], r["best_pipeline"]
             lines.append(
-                f"| {run['link']} | {r['model']} | {ms['ddp']:.0f} | {ms['ddp-fp16']:.0f} | {ms['ddp-powersgd']:.0f} "
-                f"| {ms['pipedp-dp']:.0f} ({r['vs_ddp']['pipedp-dp']:.2f}x) | {ms['pipedp-dp-fp16']:.0f} "
+                f"| {run['link']} | {r['model']} | {ms['ddp']:.0f} | {ms['ddp-fp16']:.0f} "
+                f"| {_ms(ms, 'ddp-powersgd')} | {ms['pipedp-dp']:.0f} ({r['vs_ddp']['pipedp-dp']:.2f}x) "
+                f"| {ms['pipedp-dp-fp16']:.0f} "
                 f"| {pp}: {ms[pp]:.0f} ({r['vs_ddp'][pp]:.2f}x) | {ms['pp-auto']:.0f} ({r['auto']['chosen']}) "
                 f"| {r['best_exact']} | {r['auto']['vs_best_exact']:.2f}x |")
     return "\n".join(lines)
@@ -87,7 +93,8 @@ def bench(argv: Sequence[str] | None = None) -> dict[str, Any]:
             codes = c.torchrun(["-m", "experiments.links_worker", "--models", args.models, "--batch", str(args.batch),
                                 "--microbatches", args.microbatches, "--rounds", str(args.rounds), "--steps",
                                 str(args.steps), "--threads", str(args.threads), "--out", out,
-                                *(["--width", str(args.width)] if args.width else [])],
+                                *(["--width", str(args.width)] if args.width else []),
+                                *(["--powersgd"] if args.powersgd else [])],
                                env=env, cwd=root).wait_all(args.timeout)
             if any(codes) or not os.path.exists(out):
                 raise RuntimeError(f"the workers on the {link.describe()} link exited with {codes}")

@@ -6,8 +6,11 @@ own copy of one seeded model (SGD, cross entropy, a synthetic CIFAR batch):
 
 * ``ddp``: ``DistributedDataParallel`` (default 25 MiB buckets,
   ``gradient_as_bucket_view=True``); ``ddp-fp16``: with the fp16 compression
-  hook (gloo has no bf16); ``ddp-powersgd``: PowerSGD at rank 2 (lossy:
-  reported, never the bar; its first 2 steps are plain all-reduces);
+  hook (gloo has no bf16); ``ddp-powersgd`` (``--powersgd``): PowerSGD at
+  rank 2 (lossy: reported, never the bar; its first 2 steps are plain
+  all-reduces). Off by default: at ResNet-18's full width two ranks aborted
+  in it with gloo's "Received data size doesn't match expected size";
+  not yet understood;
 * ``pipedp-dp``: ``pipedp.wrap(pp=1)`` on one stage; ``pipedp-dp-fp16``: with
   ``reduce_dtype=torch.float16``, the counterpart of the hook;
 * ``pipedp-pp2xM``: two pipeline ranks, one stage each, M microbatches;
@@ -39,16 +42,24 @@ from .paired import paired_ratio
 
 Step = Callable[[torch.Tensor, torch.Tensor], object]
 LR, MOMENTUM = 0.01, 0.9
-LOSSY = ("ddp-powersgd",)
+# Not the user's numerics: compressed gradients (fp16 casts, PowerSGD's low rank). Reported, never the bar.
+COMPRESSED = ("ddp-fp16", "ddp-powersgd", "pipedp-dp-fp16")
 
 
 def build(name: str, width: int | None = None) -> nn.Module:
-    """A CIFAR-shaped model by name: pipedp's zoo (``width``: its base width), or torchvision's ``vgg11_bn``
-    (a 4096-wide classifier)."""
+    """A CIFAR-shaped model by name: pipedp's zoo (``width``: its base width), or ``vgg11_bn``.
+
+    ``vgg11_bn`` is torchvision's, made the CIFAR VGG-11: its features end at 1x1 on 32-pixel images, so
+    the classifier takes those 512 values (not 7x7 copies of them: a 25088-wide first layer of 100M
+    parameters) into its two 4096-wide layers; 28.5M parameters, three quarters in the classifier.
+    """
     if name == "vgg11_bn":
         from .zoo import torchvision_models
 
-        return torchvision_models().vgg11_bn(num_classes=10)
+        model = torchvision_models().vgg11_bn(num_classes=10)
+        model.avgpool = nn.AdaptiveAvgPool2d(1)
+        model.classifier[0] = nn.Linear(512, 4096)
+        return model
     from pipedp.models import get_model
 
     return get_model(name, num_classes=10, **({} if width is None else {"width": width}))
@@ -83,11 +94,12 @@ def configurations(base: nn.Module, args: argparse.Namespace, full: torch.Tensor
     out: dict[str, tuple[Step, bool]] = {
         "ddp": (_ddp(copy.deepcopy(base), None), True),
         "ddp-fp16": (_ddp(copy.deepcopy(base), "fp16"), True),
-        "ddp-powersgd": (_ddp(copy.deepcopy(base), "powersgd"), True),
         "pipedp-dp": (_wrap(copy.deepcopy(base), stages=1, microbatches=1, profile=False).train_step, True),
         "pipedp-dp-fp16": (_wrap(copy.deepcopy(base), stages=1, microbatches=1, profile=False,
                                  reduce_dtype=torch.float16).train_step, True),
     }
+    if args.powersgd:
+        out["ddp-powersgd"] = (_ddp(copy.deepcopy(base), "powersgd"), True)
     for m in (int(v) for v in args.microbatches.split(",")):
         out[f"pipedp-pp2x{m}"] = (_wrap(copy.deepcopy(base), pp=2, stages=2, microbatches=m).train_step, False)
     t0 = time.perf_counter()
@@ -127,7 +139,7 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
             step, (x, y) = runs[k]
             windows[k].append(_window(step, x, y, args.steps))
     ms = {k: statistics.median(v) for k, v in windows.items()}
-    exact = [k for k in ms if k not in LOSSY]
+    exact = [k for k in ms if k not in COMPRESSED and k != "pp-auto"]
     best = min(exact, key=ms.__getitem__)
     pipelines = [k for k in ms if k.startswith("pipedp-pp2")]
     params = sum(p.numel() for p in base.parameters())
@@ -151,6 +163,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--width", type=int, default=None, help="base width of pipedp's zoo models (default theirs)")
+    p.add_argument("--powersgd", action="store_true", help="also DDP with PowerSGD")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     torch.set_num_threads(args.threads)

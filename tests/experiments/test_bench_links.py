@@ -15,7 +15,8 @@ from tests.experiments.test_cluster import needs_namespaces
 def test_a_small_run_times_every_configuration_at_each_rate(tmp_path):
     out, md = tmp_path / "links.json", tmp_path / "links.md"
     assert main(["--rates", "none,200", "--models", "resnet18", "--width", "4", "--batch", "16",
-                 "--microbatches", "2", "--rounds", "1", "--steps", "1", "--out", str(out), "--md", str(md)]) == 0
+                 "--microbatches", "2", "--rounds", "1", "--steps", "1", "--powersgd", "--out", str(out),
+                 "--md", str(md)]) == 0
     report = json.loads(out.read_text())
     assert [r["link"] for r in report["runs"]] == ["unlimited", "200 Mbit/s"]
     for run in report["runs"]:
