@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import statistics
@@ -37,11 +38,13 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 import pipedp
+from pipedp.world import window_ms
 
 from .paired import paired_ratio
 
 Step = Callable[[torch.Tensor, torch.Tensor], object]
 LR, MOMENTUM = 0.01, 0.9
+CPU = torch.device("cpu")
 # Not the user's numerics: compressed gradients (fp16 casts, PowerSGD's low rank). Reported, never the bar.
 COMPRESSED = ("ddp-fp16", "ddp-powersgd", "pipedp-dp-fp16")
 
@@ -107,15 +110,6 @@ def configurations(base: nn.Module, args: argparse.Namespace, full: torch.Tensor
     return out, auto, time.perf_counter() - t0
 
 
-def _window(step: Step, x: torch.Tensor, y: torch.Tensor, steps: int) -> float:
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step(x, y)
-    dist.barrier()  # a step ends for the world when it ends for its last rank
-    return (time.perf_counter() - t0) * 1e3 / steps
-
-
 def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -137,7 +131,7 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     for r in range(args.rounds):
         for k in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
             step, (x, y) = runs[k]
-            windows[k].append(_window(step, x, y, args.steps))
+            windows[k].append(window_ms(functools.partial(step, x, y), CPU, args.steps))  # the slowest rank's
     ms = {k: statistics.median(v) for k, v in windows.items()}
     exact = [k for k in ms if k not in COMPRESSED and k != "pp-auto"]
     best = min(exact, key=ms.__getitem__)

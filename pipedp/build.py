@@ -32,7 +32,7 @@ from .decide.config import Config
 from .decide.cache import PlanCache, default_folder
 from .decide.decision import Decision
 from .decide.fingerprint import Fingerprint, fingerprint
-from .decide.reuse import reuse_or_decide
+from .decide.reuse import Planned, reuse_or_decide
 from .decide.rules import shared_settings
 from .decide.layout import Layout
 from .decide.search import Measure
@@ -137,14 +137,18 @@ def build_pipeline(model: nn.Module, batch: torch.Tensor, options: PipelineOptio
     # Every rank must run the same plan: the first rank decides, the others follow.
     warm: dict[Config, list[Stage]] = {}  # compiled stages of the deciding rank's trials, to reuse
     was = kernels.on if kernels is not None else False
-    fp = _fingerprint(model, batch, devices, options, comm, training, concurrency, kernels)
     # The cache holds decisions timed on the machine's own clock: not those of an injected one or of pp="auto".
     cache = _plan_cache(options) if measure is None and given is None else None
-    try:
-        profiles, decision, record = comm.decide(lambda: reuse_or_decide(
+
+    def plan() -> Planned:  # on the deciding rank only: the others receive its profiles, decision and record
+        return reuse_or_decide(
             lambda: decide(parts, model, sample, batch, devices, options, comm, training, concurrency, measure,
                            warm=warm, given=given, kernels=kernels, coupled=coupled),
-            fp, [b.name for b in parts.blocks], saved, cache))
+            _fingerprint(model, batch, devices, options, comm, training, concurrency, kernels),
+            [b.name for b in parts.blocks], saved, cache)
+
+    try:
+        profiles, decision, record = comm.decide(plan)
     except BaseException:
         if kernels is not None:  # trials may have switched them: as wrap left them
             kernels.use(was)

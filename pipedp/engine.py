@@ -420,20 +420,18 @@ class Engine:
         The step count, this rank's RNG states and the loss scale; checked
         first, so a bad value changes nothing.
         """
-        entry = check_run_state(state, CHECKPOINT_FORMAT)
-        self._apply_run_state(state, entry)
+        self._apply_run_state(check_run_state(state, CHECKPOINT_FORMAT))
 
-    def _apply_run_state(self, state: Mapping[str, Any], entry: EngineEntry) -> None:
+    def _apply_run_state(self, entry: EngineEntry) -> None:
         rank, world = self.comm.rank, self.comm.world
         if entry.rng is not None and len(entry.rng) == world:
             set_rng_state(entry.rng[rank])
         self.steps = entry.steps
         if self.scaler is not None:  # checked; a checkpoint without one starts from the initial scale
             self.scaler.load_state_dict(entry.scaler)
-        saved = state.get("decision")
-        if saved is not None and self._pipe is not None and saved.get("config") != self._pipe.record.get("config"):
+        if entry.plan is not None and self._pipe is not None and entry.plan != self._pipe.decision.config:
             warnings.warn(
-                f"the checkpoint was trained with the plan {from_record(saved)[1].config.label}, this engine runs "
+                f"the checkpoint was trained with the plan {entry.plan.label}, this engine runs "
                 f"{self._pipe.decision.config.label}: to resume with the saved plan, pass "
                 f"decision=checkpoint['engine']['decision'] to wrap()", stacklevel=3)
         if entry.rng is not None and len(entry.rng) != world:
@@ -458,7 +456,7 @@ class Engine:
             self.module.load_state_dict(state["model"])
             if state["optimizer"] is not None and self.optimizer is not None:
                 self.optimizer.load_state_dict(state["optimizer"])
-            self._apply_run_state(state["engine"], entry)
+            self._apply_run_state(entry)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write :meth:`state_dict` to ``path`` atomically (global rank 0 writes; collective when distributed).

@@ -27,6 +27,8 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch import nn
 
+from .decide.config import Config
+from .decide.record import RecordError, from_record
 from .precision import check_scaler_state
 from .snapshot import rng_state, set_rng_state
 
@@ -43,6 +45,7 @@ class EngineEntry:
     steps: int
     rng: list[dict[str, Any]] | None  # one per rank, by global rank
     scaler: dict[str, Any] | None = None  # fp16 loss scaling's state (None: saved in another precision)
+    plan: Config | None = None  # the configuration the saved run trained with (None: saved before a plan)
 
 
 def _some(names: list[str]) -> str:
@@ -212,7 +215,14 @@ def check_run_state(entry: Any, newest_format: int) -> EngineEntry:
     if not isinstance(fmt, int) or fmt > newest_format:
         raise ValueError(f"the checkpoint is in format {fmt!r}, this pipedp reads up to {newest_format}: "
                          f"upgrade pipedp to load it")
-    return EngineEntry(steps=steps, rng=_check_rng(entry.get("rng")), scaler=check_scaler_state(entry.get("scaler")))
+    plan = None
+    if entry.get("decision") is not None:
+        try:
+            plan = from_record(entry["decision"])[1].config
+        except RecordError as e:
+            raise ValueError(f"the checkpoint's engine entry holds a damaged plan decision ('decision'): {e}") from e
+    return EngineEntry(steps=steps, rng=_check_rng(entry.get("rng")), scaler=check_scaler_state(entry.get("scaler")),
+                       plan=plan)
 
 
 @contextlib.contextmanager
