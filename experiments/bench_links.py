@@ -75,7 +75,56 @@ def _table(report: dict[str, Any]) -> str:
                 f"| {ms['pipedp-dp-fp16']:.0f} "
                 f"| {pp}: {ms[pp]:.0f} ({r['vs_ddp'][pp]:.2f}x) | {ms['pp-auto']:.0f} ({r['auto']['chosen']}) "
                 f"| {r['best_exact']} | {r['auto']['vs_best_exact']:.2f}x |")
+    lines += ["", "The forecast (pp=auto's prediction) beside the measured median, and its link probes against the "
+              "emulated rate:", "",
+              "| link | model | configuration | predicted ms | measured ms | error | moves a step (MB) |",
+              "|---|---|---|---:|---:|---:|---:|"]
+    for run in report["runs"]:
+        for r in run["results"]:
+            for name, f in r.get("forecast", {}).items():
+                moved = (f["allreduce_bytes"] + f["p2p_bytes"]) / 1e6
+                lines.append(f"| {run['link']} | {r['model']} | {name} | {f['predicted_ms']:.0f} | "
+                             f"{f['measured_ms']:.0f} | {100 * f['error']:+.0f}% | {moved:.0f} |")
+    lines += ["", "| link | model | all-reduce probe (GB/s) | point-to-point probe (GB/s) | emulated (GB/s) |",
+              "|---|---|---:|---:|---:|"]
+    for run in report["runs"]:
+        for r in run["results"]:
+            probed = r["auto"].get("probed_bytes_per_s")
+            if probed:
+                rate = f"{run['rate_mbit'] / 8e3:.4g}" if run.get("rate_mbit") else "unlimited"
+                lines.append(f"| {run['link']} | {r['model']} | {probed['allreduce'] / 1e9:.4g} | "
+                             f"{probed['p2p'] / 1e9:.4g} | {rate} |")
+    lines += ["", "Where a pipeline overtakes data parallelism (the fastest link rate at which the best pipeline "
+              "ran, or was predicted, faster than the best data-parallel configuration):", "",
+              "| model | measured | forecast |", "|---|---|---|"]
+    for model, (measured, predicted) in overtakes(report).items():
+        lines.append(f"| {model} | {measured} | {predicted} |")
     return "\n".join(lines)
+
+
+def overtakes(report: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """Per model: the fastest rate where the best pipeline beat data parallelism, measured and forecast."""
+    found: dict[str, list[tuple[float, bool, bool]]] = {}
+    for run in report["runs"]:
+        rate = run.get("rate_mbit") or float("inf")
+        for r in run["results"]:
+            ms, fc = r["ms"], r.get("forecast", {})
+            pipes = [k for k in ms if k.startswith("pipedp-pp2")]
+            dp = min(ms[k] for k in ("ddp", "pipedp-dp") if k in ms)
+            won = bool(pipes) and min(ms[k] for k in pipes) < dp
+            pred_pipes = [f["predicted_ms"] for k, f in fc.items() if k.startswith("pipedp-pp2")]
+            pred_won = bool(pred_pipes) and "pipedp-dp" in fc and min(pred_pipes) < fc["pipedp-dp"]["predicted_ms"]
+            found.setdefault(r["model"], []).append((rate, won, pred_won))
+    out = {}
+    for model, rows in found.items():
+        def first(k: int) -> str:
+            rates = [row[0] for row in rows if row[k]]
+            if not rates:
+                return "not at the rates run"
+            top = max(rates)
+            return "unlimited" if top == float("inf") else f"{top:g} Mbit/s"
+        out[model] = (first(1), first(2))
+    return out
 
 
 def bench(argv: Sequence[str] | None = None) -> dict[str, Any]:

@@ -143,8 +143,24 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "best_pipeline": min(pipelines, key=ms.__getitem__) if pipelines else None,
         "vs_ddp": {k: paired_ratio(windows["ddp"], v) for k, v in windows.items()},
         "auto": {"chosen": auto.world.layout.label, "vs_best_exact": paired_ratio(windows[best], windows["pp-auto"]),
-                 "setup_s": auto_setup_s, "planning_share_10min": auto_setup_s / 600, "table": auto.world.table()},
+                 "setup_s": auto_setup_s, "planning_share_10min": auto_setup_s / 600, "table": auto.world.table(),
+                 "probed_bytes_per_s": {"allreduce": auto.world.allreduce.bytes_per_s,
+                                        "p2p": auto.world.p2p.bytes_per_s}},
+        "forecast": forecast(auto.world, ms),
     }
+
+
+def forecast(choice: Any, ms: dict[str, float]) -> dict[str, dict[str, float]]:
+    """pp="auto"'s prediction of each layout that is also a configuration here, beside the configuration's median."""
+    out = {}
+    for row in choice.rows:
+        lay = row.layout
+        name = "pipedp-dp" if lay.pp == 1 else f"pipedp-pp2x{lay.microbatches}" if lay.dp == 1 and lay.pp == 2 else None
+        if name in ms:
+            p = row.prediction
+            out[name] = {"predicted_ms": p.step_ms, "measured_ms": ms[name], "error": p.step_ms / ms[name] - 1,
+                         "allreduce_bytes": p.allreduce_bytes, "p2p_bytes": p.p2p_bytes}
+    return out
 
 
 def main() -> None:

@@ -120,13 +120,15 @@ class Engine:
         if dp_options.pp == "auto" and dp_options.enabled and dist.is_available() and dist.is_initialized() \
                 and dist.get_world_size() > 1:
             global_batch = self._global_batch(model, sample, opts)
+            coupled = batch_coupled(model)
+            allowed = _world_microbatches(resolve_microbatches(opts.microbatches, opts.stages, coupled))
+            # The default's one microbatch for exact BatchNorm math: the pipelines it rules out are shown, not run.
+            withheld = [m for m in AUTO_MICROBATCHES if m not in allowed] if opts.microbatches is None else []
             self.world = choose_world(
                 model, global_batch, self.devices[0], _world_trial(model, self.optimizer, global_batch, opts,
                                                                     dp_options, topts),
-                microbatches=_world_microbatches(resolve_microbatches(opts.microbatches, opts.stages,
-                                                                      batch_coupled(model))),
-                budget_s=opts.plan_budget_s, bucket_bytes=dp_options.bucket_bytes, schedule=opts.schedule,
-                depth=opts.depth)
+                microbatches=allowed, budget_s=opts.plan_budget_s, bucket_bytes=dp_options.bucket_bytes,
+                schedule=opts.schedule, depth=opts.depth, withheld=withheld, coupled=coupled)
             sample = global_batch[: global_batch.shape[0] // self.world.layout.dp]  # this replica's batch
         resolved_pp = self.world.layout.pp if self.world is not None else 1 if dp_options.pp == "auto" else None
         self.comm = communicator(dp_options, pp=resolved_pp)

@@ -107,11 +107,12 @@ class PipelineOptions:
     blocks are profiled and plans timed (each rank may set its own).
     ``cuda_graph``: on one CUDA device,
     capture the whole step after two eager steps and replay it (optimizers
-    with step counters need ``capturable=True``). ``rollback``: copy
-    parameters and optimizer state before each eager ``optimizer.step()``
-    so that a step failing inside it is undone (the memory of one more copy
-    of them; False saves it, and such a failure then leaves what the
-    optimizer had done). ``threads`` (CPU, one process): None runs the
+    with step counters need ``capturable=True``). ``rollback``: undo a
+    step that fails inside ``optimizer.step()``, from a copy of parameters
+    and optimizer state taken before it; with torch's own optimizers only
+    while the update's structure is new (:mod:`pipedp.rollback`), with
+    others (and with an early update) before every step. False never copies,
+    and such a failure then leaves what the optimizer had done. ``threads`` (CPU, one process): None runs the
     stages one after another on the caller's thread (torch's own thread
     count); ``"auto"`` runs stages concurrently, each on its own worker
     thread and cores with a thread count chosen by a model of each block's

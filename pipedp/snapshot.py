@@ -164,6 +164,11 @@ class UpdateSnapshot:
         with torch.no_grad():
             self.tensors.save(live)
 
+    def release(self) -> None:
+        """Free the copies (the next :meth:`save` allocates them again)."""
+        self.tensors = _Copies()
+        self.params, self.state, self.groups = [], [], []
+
     def restore(self) -> None:
         saved = self.tensors.saved
         with torch.no_grad():

@@ -7,7 +7,8 @@ same optimizer step. If anything fails, buffers are
 put back and gradients cleared, so parameters, optimizer state and BatchNorm
 statistics are as before the step; a failure inside ``optimizer.step()``
 itself (which may have updated some parameters, or created state, before
-it raised) is undone from a copy taken just before it (``rollback``).
+it raised) is undone from a copy taken just before it where it can still
+fail (:mod:`~pipedp.rollback`).
 Between the last backward and the update, gradients are unscaled (fp16),
 checked for overflow (a step with inf/NaN gradients skips the update, as
 ``GradScaler`` does) and clipped (:class:`~pipedp.update.GradientStep`). With a
@@ -37,6 +38,7 @@ from .pipeline.executor import StepTimer
 from .pipeline.graphed import StepGraph, hyper_signature
 from .pipeline.stream import current_lane
 from .pipeline.trace import step_spans, write_trace
+from .rollback import Rollback
 from .snapshot import UpdateSnapshot
 from .update import GradientStep
 
@@ -81,8 +83,10 @@ class StepRunner:
         self.comm, self.microbatches = comm, pipe.microbatches  # the plan's choice ("auto" resolved)
         self.grads = grads if grads is not None else GradientStep((), comm)
         self.graph = StepGraph(self.graph_body) if options.cuda_graph else None
-        self.before_update = UpdateSnapshot(optimizer) if options.rollback else None
         self.early = early  # per-stage updates issued during the backward
+        # An early update may fail anywhere in the step: it copies before every step's first forward.
+        self.before_update = UpdateSnapshot(optimizer) if options.rollback and early is not None else None
+        self.rollback = Rollback(optimizer) if options.rollback and early is None else None
         self.updates: list[tuple] = []  # the last traced step's optimizer marks
         self.replayed = False  # whether the last step was a graph replay (no per-stage timings)
         self.pending = 0  # calls with update=False since the last update: their gradients are held
@@ -122,9 +126,9 @@ class StepRunner:
         elif self.pipe.sync is not None:
             self.pipe.sync.resume()
         self.pipe.buffers.save()
-        early_rollback = self.early is not None and self.before_update is not None
-        if early_rollback:
-            self.before_update.save()  # type: ignore[union-attr]
+        early_rollback = self.before_update is not None
+        if self.before_update is not None:
+            self.before_update.save()
         for part in (self.pipe.sync, self.pipe.transport):
             if part is not None:
                 part.step = index
@@ -157,15 +161,22 @@ class StepRunner:
         clock = timer.clock if timer is not None else None
         devices = self.pipe.executor.devices
         marks = [(d, clock.mark(current_lane(d))) for d in devices] if clock is not None else []
-        if self.before_update is not None and apply and not early_rollback:
-            self.before_update.save()
+        rollback = self.rollback if apply else None
+        if rollback is not None:
+            rollback.before()
         try:
             self._update(apply)
-        except BaseException:
+        except BaseException as e:
             if self.before_update is not None and apply:
                 self.before_update.restore()
+            if rollback is not None and not rollback.failed():
+                e.add_note("pipedp: this update was not copied beforehand (an update of the same structure had "
+                           "gone through), so what optimizer.step() changed before it raised stays; the next "
+                           "update is copied again (see pipedp.rollback)")
             self.recover()
             raise
+        if rollback is not None:
+            rollback.succeeded()
         self.grads.finish()
         if clock is not None:
             assert timer is not None

@@ -46,6 +46,8 @@ __all__ = ["WorldRow", "WorldChoice", "Trial", "finalists", "pick", "choose_worl
            "WITHIN"]
 
 FINALISTS = 3  # layouts timed for real at most
+WITHHELD = "needs microbatches='auto'"
+GAIN_NOTED = 1.05  # a withheld layout predicted this much faster than the choice is pointed out
 WITHIN = 1.25  # a layout predicted more than 25% slower than the best is not timed
 # The profile only ranks the layouts (the finalists are timed): one run per block, not 5, and no warm-up of its
 # own after the whole step's (on a 2-core CPU the profile was two thirds of ResNet-50's planning, 59 of 87 s).
@@ -81,17 +83,21 @@ class WorldChoice:
     p2p: Link
     planning_s: float
     notes: tuple[str, ...] = ()
+    withheld: tuple[Prediction, ...] = ()  # layouts the user's options do not allow, predicted only
 
     def table(self) -> str:
-        """Every layout with predicted and measured step, the chosen one marked."""
+        """Every layout with predicted and measured step and what it moves over the links, the chosen one marked."""
         lines = [f"pp=auto: {self.layout.label} (links: all-reduce {self.allreduce.bytes_per_s / 1e9:.2f} GB/s + "
                  f"{self.allreduce.alpha_s * 1e6:.0f} us, point-to-point {self.p2p.bytes_per_s / 1e9:.2f} GB/s + "
                  f"{self.p2p.alpha_s * 1e6:.0f} us; planning {self.planning_s:.1f} s)",
-                 f"  {'layout':<26} {'predicted ms':>12} {'measured ms':>12}"]
+                 f"  {'layout':<26} {'predicted ms':>12} {'measured ms':>12}  moves a step"]
         for r in self.rows:
             measured = f"{r.measured_ms:12.2f}" if r.measured_ms is not None else f"{'-':>12}"
             mark = "  chosen" if r.layout == self.layout else ""
-            lines.append(f"  {r.layout.label:<26} {r.prediction.step_ms:12.2f} {measured}{mark}")
+            lines.append(f"  {r.layout.label:<26} {r.prediction.step_ms:12.2f} {measured}  "
+                         f"{r.prediction.moves()}{mark}")
+        for p in self.withheld:
+            lines.append(f"  {p.layout.label:<26} {p.step_ms:12.2f} {'not run':>12}  {p.moves()}  ({WITHHELD})")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -153,13 +159,17 @@ def _trial_s(p: Prediction, rounds: int, steps: int) -> float:
 def choose_world(model: nn.Module, global_batch: torch.Tensor, device: torch.device, trial: Trial, *,
                  microbatches: Sequence[int], budget_s: float, bucket_bytes: float, schedule: str = "1f1b",
                  depth: int = 1, rounds: int = 2, steps: int = 1, k: int = FINALISTS, within: float = WITHIN,
+                 withheld: Sequence[int] = (), coupled: str | None = None,
                  now: Callable[[], float] = time.perf_counter) -> WorldChoice:
     """The layout of this world for training ``model`` on ``global_batch`` (collective: every rank calls it).
 
     ``global_batch``: one step's samples over all ranks, the same on every rank; ``microbatches``: the
     counts a pipeline layout may have; ``budget_s``: seconds of planning after which no further finalist
     is timed (none where two would not fit); ``trial``: builds a layout for real; ``k``, ``within``: which
-    predictions are timed (:func:`finalists`).
+    predictions are timed (:func:`finalists`). ``withheld``: microbatch counts the user's options do not
+    allow (one microbatch kept for the exact math of ``coupled``, a BatchNorm): pipelines with them are
+    predicted and shown, never built, and a note says what they would have gained and which option
+    allows them.
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("pp='auto' lays out a torch.distributed world: launch with torchrun and call "
@@ -180,11 +190,13 @@ def choose_world(model: nn.Module, global_batch: torch.Tensor, device: torch.dev
     p2p = probe_p2p(peer, device=device) if world % 2 == 0 else allreduce
     shared: list[object] = [None]
     if me == 0:
-        preds = rank(profile.costs(), world, n, allreduce, p2p=p2p, update_ms=profile.update_ms,
-                     microbatches=microbatches, schedules=(schedule,), bucket_bytes=bucket_bytes)
-        shared = [(preds, allreduce, p2p)]
+        every = rank(profile.costs(), world, n, allreduce, p2p=p2p, update_ms=profile.update_ms,
+                     microbatches=sorted({*microbatches, *withheld}), schedules=(schedule,),
+                     bucket_bytes=bucket_bytes)
+        allowed = [p for p in every if p.layout.pp == 1 or p.layout.microbatches in microbatches]
+        shared = [(allowed, [p for p in every if p not in allowed], allreduce, p2p)]
     dist.broadcast_object_list(shared, src=0)
-    preds, allreduce, p2p = shared[0]  # type: ignore[misc]
+    preds, held, allreduce, p2p = shared[0]  # type: ignore[misc]
     probed = now()
     if not preds:
         raise ValueError(f"pp='auto': no layout of {world} ranks fits a global batch of {n} (each replica and "
@@ -219,4 +231,20 @@ def choose_world(model: nn.Module, global_batch: torch.Tensor, device: torch.dev
     end = now()
     notes.append(f"planning {end - start:.1f} s on rank {me}: profile {profiled - start:.1f} s, link probes and "
                  f"prediction {probed - profiled:.1f} s, {len(measured)} trial(s) {end - probed:.1f} s")
-    return WorldChoice(choice or pick(rows), rows, allreduce, p2p, end - start, tuple(notes))
+    layout = choice or pick(rows)
+    notes += _withheld_note(next(r for r in rows if r.layout == layout), held, coupled)
+    return WorldChoice(layout, rows, allreduce, p2p, end - start, tuple(notes), tuple(held))
+
+
+def _withheld_note(chosen: WorldRow, held: Sequence[Prediction], coupled: str | None) -> list[str]:
+    """What the best withheld pipeline was predicted to gain over the choice, and the option that allows it."""
+    if not held:
+        return []
+    best = min(held, key=lambda p: p.step_ms)
+    # Against the choice's prediction: the withheld layout has only a prediction, and the two share its errors.
+    gain = chosen.prediction.step_ms / best.step_ms
+    if gain < GAIN_NOTED:
+        return []
+    why = f" (a microbatch of '{coupled}' normalises over its own samples: other math)" if coupled else ""
+    return [f"{best.layout.label} was predicted {gain:.2f}x as fast as {chosen.layout.label} but not tried: the "
+            f"default keeps one microbatch for exact BatchNorm statistics{why}; microbatches='auto' allows it"]

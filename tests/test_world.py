@@ -11,7 +11,7 @@ from torch import nn
 
 import pipedp
 from pipedp.decide.layout import Layout, Prediction
-from pipedp.world import WorldRow, choose_world, finalists, pick
+from pipedp.world import WITHHELD, WorldRow, _withheld_note, choose_world, finalists, pick
 from tests import multiproc
 from tests.reference import data, plain_steps, sequential_cnn
 
@@ -52,6 +52,37 @@ def test_the_pick_is_never_slower_than_a_layout_it_timed():
     # Nothing timed: the fastest prediction.
     preds = _table(rng)
     assert pick([WorldRow(p) for p in preds]) == min(preds, key=lambda p: p.step_ms).layout
+
+
+def test_a_withheld_pipeline_is_pointed_out_with_the_option_that_allows_it():
+    dp = WorldRow(_pred(2, (9,), 1, 40.0), 41.0)
+    held = [_pred(1, (4, 5), 4, 20.0), _pred(1, (4, 5), 2, 30.0)]
+    (note,) = _withheld_note(dp, held, "bn1")
+    assert "dp 1 x pp 2 x 4 mb" in note and "2.00x" in note and "'bn1'" in note and "microbatches='auto'" in note
+    assert _withheld_note(dp, [_pred(1, (4, 5), 4, 39.0)], "bn1") == []  # within 5%: not worth a word
+    assert _withheld_note(dp, [], "bn1") == []
+
+
+def _choose_with_withheld(rank: int, world: int) -> dict:
+    """The default for a BatchNorm model: one microbatch allowed, pipelines of 2 and 4 predicted only."""
+    built = []
+
+    def trial(layout: Layout):
+        built.append(layout)
+        return (lambda: None), (lambda: None)
+
+    choice = choose_world(sequential_cnn(), torch.randn(16, 3, 16, 16), torch.device("cpu"), trial,
+                          microbatches=(1,), withheld=(2, 4), coupled="bn", budget_s=60.0, bucket_bytes=2**20,
+                          within=float("inf"))
+    return {"built": built, "rows": choice.rows, "withheld": choice.withheld, "table": choice.table()}
+
+
+def test_withheld_layouts_are_predicted_and_shown_never_built():
+    a, _ = multiproc.run(_choose_with_withheld, 2, timeout_s=120)
+    assert a["built"] and all(lay.microbatches == 1 for lay in a["built"])
+    assert all(r.layout.microbatches == 1 for r in a["rows"])
+    assert {p.layout.microbatches for p in a["withheld"]} == {2, 4} and all(p.layout.pp == 2 for p in a["withheld"])
+    assert a["table"].count(WITHHELD) == len(a["withheld"]) and "moves a step" in a["table"]
 
 
 def _choose_with_injected_steps(rank: int, world: int, slow_dp: bool) -> dict:

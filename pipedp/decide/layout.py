@@ -135,6 +135,14 @@ class Prediction:
     exposed_ms: float  # the most of any stage's sync not hidden behind its backward
     p2p_ms: float  # one microbatch's activation and gradient over the slowest cut
     bubble: float  # idle share of the stages within the compute
+    allreduce_bytes: float = 0.0  # what one rank's all-reduce link carries a step (the stage with most parameters)
+    p2p_bytes: float = 0.0  # what the busiest cut carries a step: activations forward, their gradients back
+
+    def moves(self) -> str:
+        """What this layout moves over its links each step, in MB (for the layout table)."""
+        parts = [f"all-reduce {self.allreduce_bytes / 1e6:.0f} MB"] if self.allreduce_bytes else []
+        parts += [f"stage hop {self.p2p_bytes / 1e6:.0f} MB"] if self.p2p_bytes else []
+        return ", ".join(parts) or "nothing"
 
 
 def predict(costs: BlockCosts, layout: Layout, global_batch: int, link: Link, *, p2p: Link | None = None,
@@ -159,12 +167,13 @@ def predict(costs: BlockCosts, layout: Layout, global_batch: int, link: Link, *,
     blocks = costs.at(global_batch / layout.dp / layout.microbatches)
     fwd, bwd = stage_times(blocks, layout.counts)
     ends = [sum(layout.counts[: s + 1]) - 1 for s in range(layout.pp)]
-    worst_p2p = 0.0
+    worst_p2p = hop_bytes = 0.0
     for s in range(layout.pp - 1):
         t = p2p_s(p2p or link, blocks[ends[s]].output_bytes) * 1e3
         fwd[s] += t
         bwd[s + 1] += t
         worst_p2p = max(worst_p2p, 2 * t)
+        hop_bytes = max(hop_bytes, 2.0 * blocks[ends[s]].output_bytes * layout.microbatches)
     sim = simulate(get_schedule(layout.schedule)(layout.pp, layout.microbatches),
                    duration=action_durations(fwd, bwd, overhead_ms))
     last = {}
@@ -172,11 +181,12 @@ def predict(costs: BlockCosts, layout: Layout, global_batch: int, link: Link, *,
         if slot.action.kind == "B":
             last[slot.stage] = slot  # slots are in start order: the last one seen is the stage's last backward
     total = sum(b.param_bytes for b in blocks) or 1
-    end, sync, exposed = sim.makespan, 0.0, 0.0
+    end, sync, exposed, carried = sim.makespan, 0.0, 0.0, 0.0
     start = 0
     for s, k in enumerate(layout.counts):
         params = sum(b.param_bytes for b in blocks[start : start + k])
         start += k
+        carried = max(carried, 2.0 * (layout.dp - 1) / layout.dp * params)
         buckets = max(1, math.ceil(params / bucket_bytes))
         ms = allreduce_s(link, params, layout.dp, buckets) * 1e3
         sync = max(sync, ms)
@@ -184,7 +194,7 @@ def predict(costs: BlockCosts, layout: Layout, global_batch: int, link: Link, *,
         synced = max(b.end, b.end + ms / buckets, b.start + ms) if ms > 0 else b.end
         exposed = max(exposed, synced - b.end)
         end = max(end, synced + update_ms * params / total)
-    return Prediction(layout, end, sim.makespan, sync, exposed, worst_p2p, sim.bubble)
+    return Prediction(layout, end, sim.makespan, sync, exposed, worst_p2p, sim.bubble, carried, hop_bytes)
 
 
 def layouts(blocks: Sequence[BlockProfile], ranks: int, global_batch: int,

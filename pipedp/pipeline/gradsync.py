@@ -2,7 +2,7 @@
 
 Every stage's parameters are packed into buckets (flat buffers of about
 ``bucket_bytes``, in reverse registration order like DDP, since backward reaches
-the last layers first); each parameter's ``.grad`` is a view into its bucket,
+the last layers first, and the first layers apart, see :func:`_pack`); each parameter's ``.grad`` is a view into its bucket,
 so nothing is copied in or out. Gradients accumulate over microbatches; during
 a stage's *last* backward of the step a bucket is all-reduced (asynchronously,
 on that stage's own communication lane) the moment its last parameter has
@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -85,6 +86,8 @@ class _Bucket:
     stage: int
     params: list[nn.Parameter]
     flat: torch.Tensor
+    views: list[torch.Tensor] = field(default_factory=list)  # each parameter's slot, shaped like it
+    attached: list[bool] = field(default_factory=list)  # whose ``.grad`` is its slot this step
     pending: int = 0
     work: Any = None
     wire: torch.Tensor | None = None  # the reduce_dtype copy in flight
@@ -94,25 +97,45 @@ class _Bucket:
 
 
 def _pack(params: Sequence[nn.Parameter], cap: int, first_cap: int | None = None) -> list[list[nn.Parameter]]:
-    """Buckets of at most ``cap`` bytes (a bigger parameter gets its own), one dtype/device each.
+    """Buckets in launch order: last layers first, one dtype/device each, closed once they hold ``cap`` bytes.
 
-    The first bucket (the last layers) is capped at ``first_cap``, like DDP's
-    1 MiB first bucket, so that the first all-reduce starts early in backward.
+    As in DDP, a bucket closes when it *reaches* its cap (so it may pass it by
+    one tensor), and the first one (the last layers) at ``first_cap``: it
+    closes with the first big tensor it gets, so an all-reduce starts as soon
+    as the last big layer's gradient is ready rather than waiting to fill a
+    bucket with earlier layers. Unlike DDP, the first layers of the forward
+    (``first_cap`` bytes of the last bucket) also get a bucket of their own:
+    their gradients are ready only when backward ends, and whatever waits for
+    them is exposed, so the less the better (on a slow link this decides how
+    much of the sync shows; see the results page's "Across slow links").
     """
     out: list[list[nn.Parameter]] = []
     cur: list[nn.Parameter] = []
     size = 0
     for p in reversed(list(params)):
-        nbytes = p.numel() * p.element_size()
-        limit = cap if out or first_cap is None else min(cap, first_cap)
-        if cur and (size + nbytes > limit or (p.dtype, p.device) != (cur[0].dtype, cur[0].device)):
+        if cur and not _same_kind(p, cur[0]):
             out.append(cur)
             cur, size = [], 0
         cur.append(p)
-        size += nbytes
+        size += p.numel() * p.element_size()
+        if size >= (cap if out or first_cap is None else min(cap, first_cap)):
+            out.append(cur)
+            cur, size = [], 0
     if cur:
         out.append(cur)
+    if first_cap is not None and len(out) > 1:
+        *_, last = out
+        size, k = 0, len(last)
+        while k > 1 and size < first_cap:  # ``last`` runs backward: its end is the forward's start
+            k -= 1
+            size += last[k].numel() * last[k].element_size()
+        if 0 < k < len(last) and size >= first_cap:
+            out[-1:] = [last[:k], last[k:]]
     return out
+
+
+def _same_kind(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.dtype, a.device) == (b.dtype, b.device)
 
 
 _STAMP_BITS = 16  # per digest: its square summed over up to 1024 ranks stays exact in float64
@@ -175,6 +198,7 @@ class GradSync:
         self.step = 0
         self.buckets: list[_Bucket] = []
         self._of: dict[int, _Bucket] = {}
+        self._index: dict[int, int] = {}  # a parameter's place in its bucket
         self._armed: set[int] = set()
         self.lanes: list[Lane] = []
         self._hooks: list[Any] = []
@@ -203,17 +227,20 @@ class GradSync:
         """
         for h in self._hooks:
             h.remove()
-        self.buckets, self._of = [], {}
+        self.buckets, self._of, self._index = [], {}, {}
         seen: set[int] = set()
         for s, params in enumerate(stage_params):
             mine = [p for p in params if p.requires_grad and id(p) not in seen]
             seen.update(id(p) for p in mine)
             for ps in _pack(mine, self.bucket_bytes, FIRST_BUCKET_BYTES):
                 flat = torch.zeros(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device)
-                b = _Bucket(s, ps, flat)
+                offsets = [0, *itertools.accumulate(p.numel() for p in ps)]
+                views = [flat[a:z].view_as(p) for a, z, p in zip(offsets, offsets[1:], ps)]
+                b = _Bucket(s, ps, flat, views, [False] * len(ps))
                 self.buckets.append(b)
-                for p in ps:
+                for k, p in enumerate(ps):
                     self._of[id(p)] = b
+                    self._index[id(p)] = k
             dev = mine[0].device if mine else self.lanes[s].device if s < len(self.lanes) else torch.device("cpu")
             if s >= len(self.lanes):
                 self.lanes.append(new_lane(dev, f"gradsync{s}"))
@@ -228,16 +255,30 @@ class GradSync:
 
     # -- per step -------------------------------------------------------------------------------
     def attach(self) -> None:
-        """Zero the buckets and make every ``.grad`` a view into its bucket (before a step)."""
-        with torch.no_grad():
-            for b in self.buckets:
-                b.flat.zero_()
-                off = 0
-                for p in b.params:
-                    n = p.numel()
-                    p.grad = b.flat[off : off + n].view_as(p)
-                    off += n
+        """Start a step with no gradients: each one's first accumulation is copied into its bucket (before a step).
+
+        As DDP's reducer does: the first gradient of a parameter is copied into
+        its slot and ``.grad`` becomes that slot, later ones are added there in
+        place, and a slot that got no gradient by the bucket's launch is zeroed.
+        Zeroing every bucket first and adding the first gradient to the zeros
+        would pass over the model's gradient bytes twice more each step.
+        """
+        for b in self.buckets:
+            for p in b.params:
+                p.grad = None
+            b.attached = [False] * len(b.params)
         self.resume()
+
+    def _attach(self, b: _Bucket, k: int) -> None:
+        """Make parameter ``k`` of ``b``'s ``.grad`` its slot: its gradient so far copied in, else zeros."""
+        p, slot = b.params[k], b.views[k]
+        with torch.no_grad():
+            if p.grad is None:
+                slot.zero_()
+            elif p.grad is not slot:
+                slot.copy_(p.grad)
+            p.grad = slot
+        b.attached[k] = True
 
     def resume(self) -> None:
         """Start a step's sync on what the buckets hold (after :meth:`attach`, or a call that accumulated).
@@ -312,13 +353,21 @@ class GradSync:
 
     def _accumulated(self, p: torch.Tensor) -> None:
         b = self._of.get(id(p))
-        if b is None or b.stage not in self._armed or b.work is not None:
+        if b is None:
+            return
+        k = self._index[id(p)]
+        if not b.attached[k]:
+            self._attach(b, k)
+        if b.stage not in self._armed or b.work is not None:
             return
         b.pending -= 1
         if b.pending == 0:
             self._launch(b)
 
     def _launch(self, b: _Bucket) -> None:
+        for k, attached in enumerate(b.attached):
+            if not attached:  # no gradient reached it this step (on the current stream, before the lane waits)
+                self._attach(b, k)
         lane = self.lanes[b.stage]
         dev = b.flat.device
         if lane.is_cuda:

@@ -42,6 +42,19 @@ def test_a_pipeline_pays_its_bubble_and_data_parallel_its_sync():
                                                                 overhead_ms=0.0).step_ms
 
 
+def test_each_layout_says_what_it_moves_over_its_links_a_step():
+    """The ring carries 2 (r - 1) / r of the busiest stage's gradient bytes; a cut its activation and gradient
+    once per microbatch (block outputs scale with the microbatch's samples)."""
+    bl = blocks()  # 8 blocks of 4 MiB parameters, 1 MiB outputs on 16 samples
+    dp = predict(costs(bl), Layout(4, (8,), 1), 64, SLOW, overhead_ms=0.0)
+    assert dp.allreduce_bytes == pytest.approx(2 * 3 / 4 * 32 * 2**20) and dp.p2p_bytes == 0.0
+    pp = predict(costs(bl), Layout(1, (4, 4), 4), 64, SLOW, overhead_ms=0.0)
+    assert pp.allreduce_bytes == 0.0 and pp.p2p_bytes == pytest.approx(2 * 4 * 2**20)  # 4 microbatches of 16
+    hybrid = predict(costs(bl), Layout(2, (5, 3), 2), 64, SLOW, overhead_ms=0.0)
+    assert hybrid.allreduce_bytes == pytest.approx(5 * 4 * 2**20)  # the 5-block stage, over 2 replicas
+    assert "all-reduce 21 MB" in hybrid.moves() and "stage hop 4 MB" in hybrid.moves()
+
+
 def test_the_update_is_split_over_the_stages_by_their_parameters():
     bl = blocks()
     one = predict(costs(bl), Layout(1, (8,), 1), 64, FREE, update_ms=8.0, overhead_ms=0.0)

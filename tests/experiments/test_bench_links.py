@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from experiments.bench_links import main
+from experiments.bench_links import main, overtakes
 from tests.experiments.test_cluster import needs_namespaces
 
 
@@ -25,4 +25,22 @@ def test_a_small_run_times_every_configuration_at_each_rate(tmp_path):
                                 "pp-auto"}
         assert all(v > 0 for v in r["ms"].values()) and r["best_exact"] != "ddp-powersgd"
         assert r["vs_ddp"]["ddp"] == 1.0 and r["auto"]["chosen"]
-    assert md.read_text().count("| resnet18 |") == 2
+        assert r["forecast"]["pipedp-dp"]["predicted_ms"] > 0 and "pipedp-pp2x2" in r["forecast"]
+        assert r["auto"]["probed_bytes_per_s"]["allreduce"] > 0
+    text = md.read_text()
+    assert text.count("| unlimited | resnet18 | pipedp-dp |") == 1 and "| resnet18 | " in text.split("overtakes")[-1]
+
+
+def _run(rate, ddp, dp, pipe, pred_dp, pred_pipe):
+    return {"rate_mbit": rate, "results": [{
+        "model": "m", "ms": {"ddp": ddp, "pipedp-dp": dp, "pipedp-pp2x4": pipe},
+        "forecast": {"pipedp-dp": {"predicted_ms": pred_dp}, "pipedp-pp2x4": {"predicted_ms": pred_pipe}}}]}
+
+
+def test_the_overtaking_rate_is_the_fastest_link_where_a_pipeline_won():
+    report = {"runs": [_run(None, 100, 101, 150, 100, 140), _run(1000, 200, 190, 180, 200, 210),
+                       _run(300, 500, 480, 200, 500, 190)]}
+    assert overtakes(report) == {"m": ("1000 Mbit/s", "300 Mbit/s")}
+    report["runs"][0] = _run(None, 100, 101, 99, 100, 140)
+    assert overtakes(report)["m"][0] == "unlimited"
+    assert overtakes({"runs": [_run(None, 1, 1, 2, 1, 2)]}) == {"m": ("not at the rates run", "not at the rates run")}

@@ -8,14 +8,24 @@ from pipedp.pipeline.gradsync import GradSync, _pack, _union_ms
 from tests import multiproc
 
 
-def test_buckets_go_last_layer_first_and_respect_the_cap():
+def test_buckets_go_last_layer_first_and_close_at_their_cap():
+    """DDP's rule: a bucket closes once it holds its cap (the tensor that reaches it included)."""
     params = [nn.Parameter(torch.zeros(n)) for n in (10, 10, 30, 5, 5)]
-    buckets = _pack(params, cap=80)  # 20 floats
-    assert [[p.numel() for p in b] for b in buckets] == [[5, 5], [30], [10, 10]]
-    assert [[p.numel() for p in b] for b in _pack(params, cap=80, first_cap=40)] == [[5, 5], [30], [10, 10]]
-    assert [[p.numel() for p in b] for b in _pack(params, cap=200, first_cap=40)] == [[5, 5], [30, 10, 10]]
+    assert [[p.numel() for p in b] for b in _pack(params, cap=80)] == [[5, 5, 30], [10, 10]]  # 80 bytes: 20 floats
+    assert [[p.numel() for p in b] for b in _pack(params, cap=10**6)] == [[5, 5, 30, 10, 10]]
     half = nn.Parameter(torch.zeros(4, dtype=torch.float16))
     assert len(_pack([params[0], half], cap=10**6)) == 2  # one dtype per bucket
+
+
+def test_the_first_bucket_closes_early_and_the_first_layers_go_last_on_their_own():
+    """The last layers' small bucket launches with the first big tensor; the forward's first layers (whose
+    gradients come last) make their own last bucket, so little waits for the end of backward."""
+    params = [nn.Parameter(torch.zeros(n)) for n in (10, 10, 30, 5, 5)]
+    assert [[p.numel() for p in b] for b in _pack(params, cap=80, first_cap=40)] == [[5, 5], [30], [10], [10]]
+    assert [[p.numel() for p in b] for b in _pack(params, cap=200, first_cap=40)] == [[5, 5], [30, 10], [10]]
+    assert [[p.numel() for p in b] for b in _pack(params[:1], cap=80, first_cap=4)] == [[10]]  # one tensor: one bucket
+    packed = _pack(params, cap=200, first_cap=40)
+    assert sorted(map(id, (p for b in packed for p in b))) == sorted(map(id, params))  # each parameter once
 
 
 def test_union_of_spans_and_the_part_before_the_wait():
@@ -33,8 +43,9 @@ def _sync_case(rank: int, world: int, reduce_dtype) -> dict:
     sync._launch = lambda b: (launched.append([tuple(p.shape) for p in b.params]), real_launch(b))
     x = torch.randn(16, 64, generator=torch.Generator().manual_seed(rank))
     sync.attach()
-    views = all(p.grad.data_ptr() >= b.flat.data_ptr() for b in sync.buckets for p in b.params)
     model(x[:8]).square().mean().backward()  # first microbatch: accumulate only
+    # Each first gradient was copied into its bucket's slot, which is .grad from then on.
+    views = all(p.grad is v for b in sync.buckets for p, v in zip(b.params, b.views))
     during_first = len(launched)
     sync.arm(0)
     model(x[8:]).square().mean().backward()  # last microbatch: buckets launch as they complete
@@ -60,7 +71,7 @@ def test_gradients_are_averaged_bucket_by_bucket_during_the_last_backward(reduce
     for r in res:
         assert r["views"]
         assert r["during"] == (0, len(r["launched"]))  # all launched inside the last backward
-        assert r["launched"][0] == [(4,), (4, 64), (64,)]  # the last layer's bucket goes first
+        assert r["launched"][0] == [(4,), (4, 64), (64,), (64, 64)]  # the last layers first, up to the cap
         for g, e in zip(r["grads"], expected):
             assert (g - e).abs().max().item() <= tol * max(1.0, e.abs().max().item())
         st = r["stats"]

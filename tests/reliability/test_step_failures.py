@@ -108,7 +108,8 @@ def test_rollback_false_skips_the_copy_and_says_what_it_leaves():
     model = bn_cnn()
     opt = HalfThenFail(model.parameters(), lr=0.05, momentum=0.9)
     engine = _engine(model, opt, rollback=False)
-    assert engine._runner_for(torch.zeros(2, 3, 16, 16)).before_update is None
+    runner = engine._runner_for(torch.zeros(2, 3, 16, 16))
+    assert runner.before_update is None and runner.rollback is None
     batches = data(n=8, steps=2)
     engine.train_step(*batches[0])
     first = next(model.parameters()).detach().clone()
