@@ -176,8 +176,8 @@ def decide(parts: Parts, model: nn.Module, sample: torch.Tensor, batch: torch.Te
                                  f"into {len(parts.blocks)} here: pass pp=N and stages= by hand for this model")
             decision = Decision(Config(tuple(given.counts), given.microbatches, training.channels_last is True,
                                        training.compile is True, concurrent=pieces),
-                                (f"pp=auto: {given.label}, the fastest of the world's layouts timed "
-                                 f"(engine.world.table() lists them)",))
+                                (f"pp=auto: {given.label}, the world's layout (engine.world.table() says how "
+                                 f"it was chosen)",))
         elif threaded:
             channels_last = training.channels_last is True
             profiles, decision = decide_cpu(parts, blocks, profiles, sample, batch, options, comm, training,
