@@ -90,16 +90,21 @@ class WorldChoice:
         lines = [f"pp=auto: {self.layout.label} (links: all-reduce {self.allreduce.bytes_per_s / 1e9:.2f} GB/s + "
                  f"{self.allreduce.alpha_s * 1e6:.0f} us, point-to-point {self.p2p.bytes_per_s / 1e9:.2f} GB/s + "
                  f"{self.p2p.alpha_s * 1e6:.0f} us; planning {self.planning_s:.1f} s)",
-                 f"  {'layout':<26} {'predicted ms':>12} {'measured ms':>12}  moves a step"]
+                 f"  {'layout [blocks per stage]':<32} {'predicted ms':>12} {'measured ms':>12}  moves a step"]
         for r in self.rows:
             measured = f"{r.measured_ms:12.2f}" if r.measured_ms is not None else f"{'-':>12}"
             mark = "  chosen" if r.layout == self.layout else ""
-            lines.append(f"  {r.layout.label:<26} {r.prediction.step_ms:12.2f} {measured}  "
+            lines.append(f"  {_cut_label(r.layout):<32} {r.prediction.step_ms:12.2f} {measured}  "
                          f"{r.prediction.moves()}{mark}")
         for p in self.withheld:
-            lines.append(f"  {p.layout.label:<26} {p.step_ms:12.2f} {'not run':>12}  {p.moves()}  ({WITHHELD})")
+            lines.append(f"  {_cut_label(p.layout):<32} {p.step_ms:12.2f} {'not run':>12}  {p.moves()}  ({WITHHELD})")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+def _cut_label(layout: Layout) -> str:
+    """The layout's label with its cut (blocks per stage) where it has one: two cuts of one layout may be ranked."""
+    return layout.label + (f" [{'+'.join(map(str, layout.counts))}]" if layout.pp > 1 else "")
 
 
 def finalists(predictions: Sequence[Prediction], k: int = FINALISTS, within: float = WITHIN) -> list[Prediction]:

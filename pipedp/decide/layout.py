@@ -44,7 +44,7 @@ from ..pipeline.simulate import simulate
 from .cut import ACTION_OVERHEAD_MS, action_durations, stage_times
 from .links import Link, allreduce_s, p2p_s
 
-__all__ = ["BlockCosts", "Layout", "Prediction", "predict", "layouts", "rank", "ASSUMPTIONS"]
+__all__ = ["BlockCosts", "Layout", "Prediction", "predict", "layouts", "hop_aware_cut", "rank", "ASSUMPTIONS"]
 
 ASSUMPTIONS = (
     "a block's time at any microbatch size is a fixed part plus a part per sample, fitted to its two profiled sizes "
@@ -198,13 +198,17 @@ def predict(costs: BlockCosts, layout: Layout, global_batch: int, link: Link, *,
 
 
 def layouts(blocks: Sequence[BlockProfile], ranks: int, global_batch: int,
-            microbatches: Sequence[int] = (1, 2, 4, 8), schedules: Sequence[str] = ("1f1b",)) -> list[Layout]:
+            microbatches: Sequence[int] = (1, 2, 4, 8), schedules: Sequence[str] = ("1f1b",), *,
+            hop: Link | None = None, profile_batch: int | None = None) -> list[Layout]:
     """Every layout of ``ranks`` ranks the engine can run on ``global_batch``: each ``pp`` dividing ``ranks``.
 
-    The cut of each pipeline is the balanced one of the profiled costs;
-    replicas and microbatches hold at least two samples (a BatchNorm needs them); one
-    stage is never microbatched (with compute linear in the samples it only
-    adds overhead).
+    Each pipeline is cut where the profiled costs balance; with ``hop`` (the
+    link between stages, its blocks profiled on ``profile_batch`` samples)
+    also where they balance counting what each cut sends over it, when that
+    is another cut: over a slow hop a cut at a smaller activation can beat
+    the balanced one. Replicas and microbatches hold at least two samples (a
+    BatchNorm needs them); one stage is never microbatched (with compute
+    linear in the samples it only adds overhead).
     """
     costs = [b.cost_ms for b in blocks]
     out = []
@@ -212,13 +216,25 @@ def layouts(blocks: Sequence[BlockProfile], ranks: int, global_batch: int,
         if ranks % pp or global_batch % (ranks // pp):
             continue
         dp = ranks // pp
-        counts = tuple(balance(costs, pp)) if pp > 1 else (len(blocks),)
+        cuts = [tuple(balance(costs, pp)) if pp > 1 else (len(blocks),)]
+        if pp > 1 and hop is not None:
+            cuts = list(dict.fromkeys([*cuts, hop_aware_cut(blocks, pp, hop, global_batch // dp / (
+                profile_batch or global_batch // ranks))]))
         per_replica = global_batch // dp
-        for m in (microbatches if pp > 1 else (1,)):
-            if m <= per_replica // MIN_SAMPLES:
-                for sched in (schedules if pp > 1 else ("1f1b",)):
-                    out.append(Layout(dp, counts, m, sched))
+        for counts in cuts:
+            for m in (microbatches if pp > 1 else (1,)):
+                if m <= per_replica // MIN_SAMPLES:
+                    for sched in (schedules if pp > 1 else ("1f1b",)):
+                        out.append(Layout(dp, counts, m, sched))
     return out
+
+
+def hop_aware_cut(blocks: Sequence[BlockProfile], pp: int, hop: Link, scale: float) -> tuple[int, ...]:
+    """The cut balancing each stage's work plus what its cut sends over ``hop`` (an activation forward, its
+    gradient back), the profiled blocks' times and outputs scaled by ``scale`` to a replica's samples."""
+    costs = [b.cost_ms * scale for b in blocks]
+    transfer = [2 * b.output_bytes * scale / hop.bytes_per_s * 1e3 for b in blocks[:-1]]
+    return tuple(balance(costs, pp, transfer=transfer))
 
 
 def rank(costs: BlockCosts, ranks: int, global_batch: int, link: Link, *, p2p: Link | None = None,
@@ -227,5 +243,6 @@ def rank(costs: BlockCosts, ranks: int, global_batch: int, link: Link, *, p2p: L
     """Every layout of :func:`layouts`, predicted, fastest first."""
     preds = [predict(costs, lay, global_batch, link, p2p=p2p, update_ms=update_ms, bucket_bytes=bucket_bytes,
                      overhead_ms=overhead_ms)
-             for lay in layouts(costs.blocks, ranks, global_batch, microbatches, schedules)]
+             for lay in layouts(costs.blocks, ranks, global_batch, microbatches, schedules, hop=p2p or link,
+                                profile_batch=costs.batch)]
     return sorted(preds, key=lambda p: p.step_ms)

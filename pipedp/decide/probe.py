@@ -2,8 +2,8 @@
 
 The layout model needs the world's real link costs, not a datasheet's: gloo
 over loopback, NCCL over PCIe or NVLink, a network between nodes. Each probe
-times messages of several sizes (median of repeats, after a warm-up, every
-rank in step) and fits the alpha-beta model (:func:`pipedp.decide.links.fit`).
+times messages of growing sizes (median of repeats, after a warm-up, every
+rank in step) until one is large enough to measure the bandwidth and fits the alpha-beta model (:func:`pipedp.decide.links.fit`).
 Collective: every rank of the group calls the same probe at the same point.
 """
 
@@ -22,6 +22,9 @@ from .links import Link, fit
 __all__ = ["probe_allreduce", "probe_p2p", "SIZES"]
 
 SIZES = (1 << 16, 1 << 20, 4 << 20, 16 << 20)  # bytes: from latency-bound to bandwidth-bound
+# A size whose message took this long already measures the bandwidth: larger ones are not sent. On a
+# 100 Mbit/s link the 16 MiB messages took half a minute of probing (six round trips of 2.7 s).
+ENOUGH_S = 0.05
 
 
 def _median_s(fn: Any, device: torch.device, group: Any, repeats: int) -> float:
@@ -48,12 +51,21 @@ def probe_allreduce(group: Any = None, device: torch.device | str = "cpu", sizes
     if ranks < 2:
         raise ValueError("an all-reduce probe needs a group of at least two ranks")
     steps, carried, secs = [], [], []
-    for n in sizes:
+    for n in _enough(sizes, secs):
         buf = torch.zeros(n // 4, dtype=torch.float32, device=device)
         secs.append(_median_s(lambda: dist.all_reduce(buf, group=group), device, group, repeats))
         steps.append(2.0 * (ranks - 1))
         carried.append(2.0 * (ranks - 1) / ranks * n)
     return _fit(f"all-reduce over {ranks} ranks", carried, secs, steps)
+
+
+def _enough(sizes: Sequence[int], secs: list[float]) -> Any:
+    """``sizes`` in order until two were timed and the last took :data:`ENOUGH_S` (``secs``: the times so
+    far; every rank holds the same, the slowest rank's, so every rank stops at the same size)."""
+    for n in sizes:
+        if len(secs) >= 2 and secs[-1] >= ENOUGH_S:
+            return
+        yield n
 
 
 def probe_p2p(peer: int, group: Any = None, device: torch.device | str = "cpu", sizes: Sequence[int] = SIZES,
@@ -73,8 +85,8 @@ def probe_p2p(peer: int, group: Any = None, device: torch.device | str = "cpu", 
     if peer == me:
         raise ValueError(f"probe_p2p: peer {peer} is this rank: name another rank of the group")
     first = me < peer
-    secs = []
-    for n in sizes:
+    secs: list[float] = []
+    for n in _enough(sizes, secs):
         buf = torch.zeros(n // 4, dtype=torch.float32, device=device)
 
         def round_trip() -> None:
@@ -86,7 +98,8 @@ def probe_p2p(peer: int, group: Any = None, device: torch.device | str = "cpu", 
                 dist.send(buf, peer)
 
         secs.append(_median_s(round_trip, device, group, repeats) / 2)
-    return _fit(f"point-to-point {min(me, peer)}<->{max(me, peer)}", list(sizes), secs, [1.0] * len(secs))
+    return _fit(f"point-to-point {min(me, peer)}<->{max(me, peer)}", list(sizes[: len(secs)]), secs,
+                [1.0] * len(secs))
 
 
 def _fit(name: str, carried: list[float], secs: list[float], steps: list[float]) -> Link:

@@ -81,6 +81,18 @@ def test_layouts_are_those_the_engine_can_run():
         predict(costs(bl), Layout(4, (3,), 1), 6, FREE)
 
 
+def test_over_a_slow_hop_the_cut_moves_to_a_smaller_activation():
+    """Balanced compute cuts after block 1, whose 8 MiB output crawls over 100 MB/s; the hop-aware cut sends
+    block 2's 64 KiB instead, and that layout is predicted faster."""
+    bl = [BlockProfile(f"b{i}", 1.0, 2.0, out, out, 0) for i, out in enumerate((8 << 20, 8 << 20, 1 << 16, 1 << 16))]
+    free = {lay.counts for lay in layouts(bl, 2, 16, hop=FREE, profile_batch=8) if lay.pp == 2}
+    assert free == {(2, 2)}  # over a free hop the balanced cut is the only one
+    slow = {lay.counts for lay in layouts(bl, 2, 16, hop=SLOW, profile_batch=8) if lay.pp == 2}
+    assert slow == {(2, 2), (3, 1)}
+    best = min((p for p in rank(costs(bl, 8), 2, 16, SLOW) if p.layout.pp == 2), key=lambda p: p.step_ms)
+    assert best.layout.counts == (3, 1)
+
+
 def test_the_choice_is_never_slower_than_a_layout_it_could_have_chosen_over_random_costs():
     rng = random.Random(0)
     for _ in range(200):
@@ -91,7 +103,8 @@ def test_the_choice_is_never_slower_than_a_layout_it_could_have_chosen_over_rand
         ranks, batch = rng.choice([2, 4, 8]), rng.choice([32, 64, 128])
         update = rng.uniform(0, 20)
         preds = rank(costs(bl, 8), ranks, batch, link, update_ms=update)
-        every = [predict(costs(bl, 8), lay, batch, link, update_ms=update) for lay in layouts(bl, ranks, batch)]
+        every = [predict(costs(bl, 8), lay, batch, link, update_ms=update)
+                 for lay in layouts(bl, ranks, batch, hop=link, profile_batch=8)]
         assert preds and len(preds) == len(every) and preds[0].step_ms == min(p.step_ms for p in every)
         # A faster link never makes a layout slower, and a pipeline's step is at least its slowest stage's work.
         faster = Link("f", link.alpha_s / 2, link.bytes_per_s * 2)

@@ -34,3 +34,18 @@ def test_latency_bound_timings_give_a_bound_instead_of_an_error():
 
     got = _fit("x", [1e3, 1e6], [2e-3, 1e-3], [1.0, 1.0])  # noise: the larger message was faster
     assert got.alpha_s == 1e-3 and got.bytes_per_s == pytest.approx(1e9) and got.source == "measured"
+
+
+def test_sizes_stop_growing_once_a_message_measures_the_bandwidth():
+    from pipedp.decide.probe import ENOUGH_S, _enough
+
+    secs: list[float] = []
+    sent = []
+    for n in _enough([1, 2, 3, 4], secs):
+        sent.append(n)
+        secs.append(ENOUGH_S * n / 2)  # size 2 takes ENOUGH_S: size 3 is the last one worth nothing more
+    assert sent == [1, 2]
+    secs = []
+    assert [n for n in _enough([1, 2, 3], secs) if not secs.append(1.0)] == [1, 2]  # at least two sizes
+    secs = []
+    assert [n for n in _enough([1, 2, 3], secs) if not secs.append(0.0)] == [1, 2, 3]  # fast links: every size
