@@ -197,8 +197,7 @@ class GradSync:
         self.timeout = timeout
         self.step = 0
         self.buckets: list[_Bucket] = []
-        self._of: dict[int, _Bucket] = {}
-        self._index: dict[int, int] = {}  # a parameter's place in its bucket
+        self._of: dict[int, tuple[_Bucket, int]] = {}  # a parameter's bucket and its place there
         self._armed: set[int] = set()
         self.lanes: list[Lane] = []
         self._hooks: list[Any] = []
@@ -227,7 +226,7 @@ class GradSync:
         """
         for h in self._hooks:
             h.remove()
-        self.buckets, self._of, self._index = [], {}, {}
+        self.buckets, self._of = [], {}
         seen: set[int] = set()
         for s, params in enumerate(stage_params):
             mine = [p for p in params if p.requires_grad and id(p) not in seen]
@@ -239,8 +238,7 @@ class GradSync:
                 b = _Bucket(s, ps, flat, views, [False] * len(ps))
                 self.buckets.append(b)
                 for k, p in enumerate(ps):
-                    self._of[id(p)] = b
-                    self._index[id(p)] = k
+                    self._of[id(p)] = (b, k)
             dev = mine[0].device if mine else self.lanes[s].device if s < len(self.lanes) else torch.device("cpu")
             if s >= len(self.lanes):
                 self.lanes.append(new_lane(dev, f"gradsync{s}"))
@@ -352,10 +350,10 @@ class GradSync:
         self._accumulated(p)
 
     def _accumulated(self, p: torch.Tensor) -> None:
-        b = self._of.get(id(p))
-        if b is None:
+        slot = self._of.get(id(p))
+        if slot is None:
             return
-        k = self._index[id(p)]
+        b, k = slot
         if not b.attached[k]:
             self._attach(b, k)
         if b.stage not in self._armed or b.work is not None:
