@@ -7,9 +7,10 @@ nodes (:mod:`experiments.cluster`: network namespaces, links shaped by
 1 process x ``--threads`` threads per node), and reports per model the step
 of every configuration (DDP, DDP with the fp16 hook, DDP with PowerSGD,
 pipedp data parallel with and without a 16-bit reduce, the pipeline over 2
-ranks at each microbatch count, ``pp="auto"``) in alternating windows, the
-fastest exact one, and what ``pp="auto"`` chose. Needs root (see the
-cluster module).
+ranks at each microbatch count, ``pp="auto"`` and ``pp="auto"`` allowed a bf16
+all-reduce) in alternating windows, the fastest exact one, and what each
+``pp="auto"`` chose; per rate, each link's drops (a dropped packet stalls
+TCP). Needs root (see the cluster module).
 
     python -m experiments.bench_links --rates none,1000,100 --models resnet18 --out links.json --md links.md
 """
@@ -28,6 +29,7 @@ from pipedp import console
 
 from .cluster import Cluster, ClusterSpec, Link
 from .machine import describe
+from .paired import paired_ratio
 from .report import write_json
 
 PROG = "python -m experiments.bench_links"
@@ -40,6 +42,7 @@ def _rate(text: str) -> float | None:
 def _parser() -> argparse.ArgumentParser:
     p = console.make_parser(PROG, __doc__)
     p.add_argument("--rates", default="none,1000,100", help="comma list of link rates in Mbit/s ('none': unlimited)")
+    p.add_argument("--delays", default="0", help="comma list of one-way link delays in ms (each with every rate)")
     p.add_argument("--models", default="resnet18,vgg11_bn", help="comma list: pipedp.models names or vgg11_bn")
     p.add_argument("--batch", type=int, default=64, help="global batch per step")
     p.add_argument("--microbatches", default="2,4,8", help="microbatch counts of the pipeline rows")
@@ -63,18 +66,21 @@ def _table(report: dict[str, Any]) -> str:
              f"{report['settings']['threads']} thread(s), gloo; global batch {report['settings']['batch']}; "
              f"{report['settings']['rounds']} rounds x {report['settings']['steps']} steps, median window (ms). "
              f"Ratios paired per round, against DDP.", "",
-             "| link | model | DDP | DDP fp16 | DDP PowerSGD (lossy) | pipedp DP | pipedp DP fp16 | best pipeline "
-             "| pp=auto (its choice) | fastest exact | auto / fastest exact |",
-             "|---|---|---:|---:|---:|---:|---:|---|---|---|---:|"]
+             "| link | model | DDP | DDP fp16 | DDP PowerSGD (lossy) | pipedp DP | pipedp DP fp16 (÷ DDP fp16) "
+             "| best pipeline | pp=auto (its choice) | auto ÷ fastest exact | pp=auto, bf16 allowed (its choice) "
+             "| ÷ fastest of all |",
+             "|---|---|---:|---:|---:|---:|---:|---|---|---:|---|---:|"]
     for run in report["runs"]:
         for r in run["results"]:
-            ms, pp = r["ms"], r["best_pipeline"]
+            ms, pp, auto, auto16 = r["ms"], r["best_pipeline"], r["auto"]["pp-auto"], r["auto"]["pp-auto-16"]
+            fp16 = paired_ratio(r["windows_ms"]["ddp-fp16"], r["windows_ms"]["pipedp-dp-fp16"])
             lines.append(
                 f"| {run['link']} | {r['model']} | {ms['ddp']:.0f} | {ms['ddp-fp16']:.0f} "
                 f"| {_ms(ms, 'ddp-powersgd')} | {ms['pipedp-dp']:.0f} ({r['vs_ddp']['pipedp-dp']:.2f}x) "
-                f"| {ms['pipedp-dp-fp16']:.0f} "
-                f"| {pp}: {ms[pp]:.0f} ({r['vs_ddp'][pp]:.2f}x) | {ms['pp-auto']:.0f} ({r['auto']['chosen']}) "
-                f"| {r['best_exact']} | {r['auto']['vs_best_exact']:.2f}x |")
+                f"| {ms['pipedp-dp-fp16']:.0f} ({fp16:.2f}x) "
+                f"| {pp}: {ms[pp]:.0f} ({r['vs_ddp'][pp]:.2f}x) | {ms['pp-auto']:.0f} ({auto['chosen']}) "
+                f"| {auto['vs_bar']:.2f}x ({auto['bar']}) | {ms['pp-auto-16']:.0f} ({auto16['chosen']}) "
+                f"| {auto16['vs_bar']:.2f}x ({auto16['bar']}) |")
     lines += ["", "The forecast (pp=auto's prediction) beside the measured median, and its link probes against the "
               "emulated rate:", "",
               "| link | model | configuration | predicted ms | measured ms | error | moves a step (MB) |",
@@ -89,11 +95,20 @@ def _table(report: dict[str, Any]) -> str:
               "|---|---|---:|---:|---:|"]
     for run in report["runs"]:
         for r in run["results"]:
-            probed = r["auto"].get("probed_bytes_per_s")
+            probed = r["auto"]["pp-auto"].get("probed_bytes_per_s")
             if probed:
                 rate = f"{run['rate_mbit'] / 8e3:.4g}" if run.get("rate_mbit") else "unlimited"
                 lines.append(f"| {run['link']} | {r['model']} | {probed['allreduce'] / 1e9:.4g} | "
                              f"{probed['p2p'] / 1e9:.4g} | {rate} |")
+    lines += ["", "Planning (wrap() with pp=\"auto\", seconds, and as a share of a 10-minute run), and each node's "
+              "link drops:", "", "| link | model | pp=auto | pp=auto, bf16 allowed | share (worst) |", "|---|---|---:|---:|---:|"]
+    for run in report["runs"]:
+        for r in run["results"]:
+            a, b = r["auto"]["pp-auto"]["setup_s"], r["auto"]["pp-auto-16"]["setup_s"]
+            lines.append(f"| {run['link']} | {r['model']} | {a:.1f} | {b:.1f} | {100 * max(a, b) / 600:.1f}% |")
+    drops = {run["link"]: [n.get("dropped", 0) for n in run.get("link_stats", [])] for run in report["runs"]}
+    lines += ["", "Packets dropped by each node's shaped link over the run: " + "; ".join(
+        f"{link}: {', '.join(map(str, d)) or 'not read'}" for link, d in drops.items()) + "."]
     lines += ["", "Where a pipeline overtakes data parallelism (the fastest link rate at which the best pipeline "
               "ran, or was predicted, faster than the best data-parallel configuration):", "",
               "| model | measured | forecast |", "|---|---|---|"]
@@ -103,7 +118,8 @@ def _table(report: dict[str, Any]) -> str:
 
 
 def overtakes(report: dict[str, Any]) -> dict[str, tuple[str, str]]:
-    """Per model: the fastest rate where the best pipeline beat data parallelism, measured and forecast."""
+    """Per model (and link delay): the fastest rate where the best pipeline beat data parallelism, measured and
+    forecast."""
     found: dict[str, list[tuple[float, bool, bool]]] = {}
     for run in report["runs"]:
         rate = run.get("rate_mbit") or float("inf")
@@ -114,7 +130,8 @@ def overtakes(report: dict[str, Any]) -> dict[str, tuple[str, str]]:
             won = bool(pipes) and min(ms[k] for k in pipes) < dp
             pred_pipes = [f["predicted_ms"] for k, f in fc.items() if k.startswith("pipedp-pp2")]
             pred_won = bool(pred_pipes) and "pipedp-dp" in fc and min(pred_pipes) < fc["pipedp-dp"]["predicted_ms"]
-            found.setdefault(r["model"], []).append((rate, won, pred_won))
+            delay = run.get("delay_ms") or 0.0
+            found.setdefault(r["model"] + (f", {delay:g} ms" if delay else ""), []).append((rate, won, pred_won))
     out = {}
     for model, rows in found.items():
         def first(k: int) -> str:
@@ -133,8 +150,8 @@ def bench(argv: Sequence[str] | None = None) -> dict[str, Any]:
                               "machine": describe("cpu"), "settings": {k: v for k, v in vars(args).items()
                                                                        if k not in ("out", "md")}, "runs": []}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for text in args.rates.split(","):
-        link = Link(rate_mbit=_rate(text))
+    for text, delay in ((t, float(d)) for d in args.delays.split(",") for t in args.rates.split(",")):
+        link = Link(rate_mbit=_rate(text), delay_ms=delay)
         print(f"{PROG}: link {link.describe()}", file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory() as tmp, Cluster(ClusterSpec(2, between=link)) as c:
             out = os.path.join(tmp, "results.json")
@@ -148,7 +165,9 @@ def bench(argv: Sequence[str] | None = None) -> dict[str, Any]:
             if any(codes) or not os.path.exists(out):
                 raise RuntimeError(f"the workers on the {link.describe()} link exited with {codes}")
             with open(out) as f:
-                report["runs"].append({"link": link.describe(), "rate_mbit": link.rate_mbit, "results": json.load(f)})
+                report["runs"].append({"link": link.describe(), "rate_mbit": link.rate_mbit,
+                                       "delay_ms": link.delay_ms, "link_stats": c.link_stats(),
+                                       "results": json.load(f)})
         if args.out:
             write_json(args.out, report, indent=2)
     table = _table(report)

@@ -245,6 +245,17 @@ class Cluster:
             _shape(ns, "eth0", self.spec.between)
             _shape(ns, "lo", self.spec.inside)
 
+    def link_stats(self) -> list[dict[str, int]]:
+        """Per node, what its shaped link's root qdisc sent, dropped and held back (``tc -s``): drops on an
+        emulated link stall TCP for a retransmission timeout, so a run reports them beside its times."""
+        out = []
+        for i in range(self.spec.nodes):
+            text = _run("ip", "netns", "exec", self.node(i), "tc", "-s", "qdisc", "show", "dev", "eth0").stdout
+            found = re.search(r"Sent (\d+) bytes (\d+) pkt \(dropped (\d+), overlimits (\d+)", text)
+            keys = ("sent_bytes", "sent_packets", "dropped", "overlimits")
+            out.append(dict(zip(keys, map(int, found.groups()))) if found else {})
+        return out
+
     def close(self) -> None:
         """Kill what was launched and remove every namespace made (safe to call twice)."""
         for launch in self.launches:

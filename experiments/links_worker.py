@@ -15,7 +15,9 @@ own copy of one seeded model (SGD, cross entropy, a synthetic CIFAR batch):
   ``reduce_dtype=torch.float16``, the counterpart of the hook;
 * ``pipedp-pp2xM``: two pipeline ranks, one stage each, M microbatches;
 * ``pp-auto``: ``pipedp.wrap(pp="auto", microbatches="auto")`` planning on the
-  global batch, then training what it chose.
+  global batch, then training what it chose; ``pp-auto-16``: the same with
+  ``reduce_dtype="auto"`` (a bf16 all-reduce allowed: lossy, against the
+  fastest of every row, compressed ones included).
 
 Data parallel rows train each rank on its half of the global batch; pipeline
 rows feed the whole batch through the pipeline. Rank 0 writes the JSON.
@@ -38,6 +40,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 import pipedp
+from pipedp.decide.layout import Layout
 from pipedp.world import window_ms
 
 from .paired import paired_ratio
@@ -46,7 +49,8 @@ Step = Callable[[torch.Tensor, torch.Tensor], object]
 LR, MOMENTUM = 0.01, 0.9
 CPU = torch.device("cpu")
 # Not the user's numerics: compressed gradients (fp16 casts, PowerSGD's low rank). Reported, never the bar.
-COMPRESSED = ("ddp-fp16", "ddp-powersgd", "pipedp-dp-fp16")
+COMPRESSED = ("ddp-fp16", "ddp-powersgd", "pipedp-dp-fp16", "pp-auto-16")
+AUTOS = ("pp-auto", "pp-auto-16")
 
 
 def build(name: str, width: int | None = None) -> nn.Module:
@@ -92,22 +96,33 @@ def _wrap(model: nn.Module, **kw: Any) -> pipedp.Engine:
 
 
 def configurations(base: nn.Module, args: argparse.Namespace, full: torch.Tensor
-                   ) -> tuple[dict[str, tuple[Step, bool]], pipedp.Engine, float]:
-    """name -> (step, data parallel?) of every configuration, the pp="auto" engine, and its setup seconds."""
+                   ) -> tuple[dict[str, tuple[Step, bool]], dict[str, Layout], dict[str, tuple[pipedp.Engine, float]]]:
+    """name -> (step, data parallel?) of every configuration, name -> the layout of each pipedp row (as
+    pp="auto" names it), and name -> each pp="auto" engine with its setup seconds."""
     out: dict[str, tuple[Step, bool]] = {
         "ddp": (_ddp(copy.deepcopy(base), None), True),
         "ddp-fp16": (_ddp(copy.deepcopy(base), "fp16"), True),
-        "pipedp-dp": (_wrap(copy.deepcopy(base), stages=1, microbatches=1, profile=False).train_step, True),
-        "pipedp-dp-fp16": (_wrap(copy.deepcopy(base), stages=1, microbatches=1, profile=False,
-                                 reduce_dtype=torch.float16).train_step, True),
     }
+    blocks = None
+    layouts: dict[str, Layout] = {}
+    for name, wire in (("pipedp-dp", None), ("pipedp-dp-fp16", torch.float16)):
+        engine = _wrap(copy.deepcopy(base), stages=1, microbatches=1, profile=False, reduce_dtype=wire,
+                       sample=full[: full.shape[0] // dist.get_world_size()])
+        out[name] = (engine.train_step, True)
+        blocks = sum(engine.plan.counts)
+        layouts[name] = Layout(dist.get_world_size(), (blocks,), 1, reduce_dtype=wire)
     if args.powersgd:
         out["ddp-powersgd"] = (_ddp(copy.deepcopy(base), "powersgd"), True)
     for m in (int(v) for v in args.microbatches.split(",")):
-        out[f"pipedp-pp2x{m}"] = (_wrap(copy.deepcopy(base), pp=2, stages=2, microbatches=m).train_step, False)
-    t0 = time.perf_counter()
-    auto = _wrap(copy.deepcopy(base), pp="auto", microbatches="auto", sample=full)
-    return out, auto, time.perf_counter() - t0
+        engine = _wrap(copy.deepcopy(base), pp=2, stages=2, microbatches=m, sample=full)
+        out[f"pipedp-pp2x{m}"] = (engine.train_step, False)
+        layouts[f"pipedp-pp2x{m}"] = Layout(1, tuple(engine.plan.counts), m)
+    autos = {}
+    for name, wire in zip(AUTOS, (None, "auto")):
+        t0 = time.perf_counter()
+        engine = _wrap(copy.deepcopy(base), pp="auto", microbatches="auto", sample=full, reduce_dtype=wire)
+        autos[name] = (engine, time.perf_counter() - t0)
+    return out, layouts, autos
 
 
 def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -118,12 +133,13 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     full = torch.randn(args.batch, 3, 32, 32, generator=g)
     labels = torch.randint(0, 10, (args.batch,), generator=g)
     half = slice(rank * args.batch // world, (rank + 1) * args.batch // world)
-    configs, auto, auto_setup_s = configurations(base, args, full)
-    assert auto.world is not None
-    b = args.batch // auto.world.layout.dp
-    share = slice(auto.layout.dp_rank * b, (auto.layout.dp_rank + 1) * b) if auto.layout is not None else slice(None)
+    configs, layouts, autos = configurations(base, args, full)
     runs = {k: (step, (full[half], labels[half]) if dp else (full, labels)) for k, (step, dp) in configs.items()}
-    runs["pp-auto"] = (auto.train_step, (full[share], labels[share]))
+    for k, (auto, _) in autos.items():
+        assert auto.world is not None and auto.layout is not None
+        b = args.batch // auto.world.layout.dp
+        share = slice(auto.layout.dp_rank * b, (auto.layout.dp_rank + 1) * b)
+        runs[k] = (auto.train_step, (full[share], labels[share]))
     for step, (x, y) in runs.values():
         for _ in range(args.warmup):
             step(x, y)
@@ -133,8 +149,9 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
             step, (x, y) = runs[k]
             windows[k].append(window_ms(functools.partial(step, x, y), CPU, args.steps))  # the slowest rank's
     ms = {k: statistics.median(v) for k, v in windows.items()}
-    exact = [k for k in ms if k not in COMPRESSED and k != "pp-auto"]
+    exact = [k for k in ms if k not in COMPRESSED and k not in AUTOS]
     best = min(exact, key=ms.__getitem__)
+    best_any = min((k for k in ms if k not in AUTOS), key=ms.__getitem__)
     pipelines = [k for k in ms if k.startswith("pipedp-pp2")]
     params = sum(p.numel() for p in base.parameters())
     return {
@@ -142,22 +159,34 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "allreduce_bytes_fp32": 4 * params, "ms": ms, "windows_ms": windows, "best_exact": best,
         "best_pipeline": min(pipelines, key=ms.__getitem__) if pipelines else None,
         "vs_ddp": {k: paired_ratio(windows["ddp"], v) for k, v in windows.items()},
-        "auto": {"chosen": auto.world.layout.label, "vs_best_exact": paired_ratio(windows[best], windows["pp-auto"]),
-                 "setup_s": auto_setup_s, "planning_share_10min": auto_setup_s / 600, "table": auto.world.table(),
-                 "probed_bytes_per_s": {"allreduce": auto.world.allreduce.bytes_per_s,
-                                        "p2p": auto.world.p2p.bytes_per_s}},
-        "forecast": forecast(auto.world, ms),
+        "best_any": best_any,
+        "auto": {k: _auto(engine, setup_s, windows, best if k == "pp-auto" else best_any, windows[k])
+                 for k, (engine, setup_s) in autos.items()},
+        "forecast": forecast([autos[k][0].world for k in AUTOS], layouts, ms),
     }
 
 
-def forecast(choice: Any, ms: dict[str, float]) -> dict[str, dict[str, float]]:
-    """pp="auto"'s prediction of each layout that is also a configuration here, beside the configuration's median."""
+def _auto(engine: pipedp.Engine, setup_s: float, windows: dict[str, list[float]], bar: str,
+          mine: list[float]) -> dict[str, Any]:
+    """What one pp="auto" engine chose, against ``bar`` (the fastest row it may match), and its probes."""
+    world = engine.world
+    assert world is not None
+    return {"chosen": world.layout.label, "bar": bar, "vs_bar": paired_ratio(windows[bar], mine),
+            "setup_s": setup_s, "planning_share_10min": setup_s / 600, "table": world.table(),
+            "probed_bytes_per_s": {"allreduce": world.allreduce.bytes_per_s, "p2p": world.p2p.bytes_per_s}}
+
+
+def forecast(choices: list[Any], layouts: dict[str, Layout], ms: dict[str, float]) -> dict[str, dict[str, float]]:
+    """pp="auto"'s prediction of each pipedp row's layout (its very cut; a 16-bit reduce of either dtype moves
+    the same bytes), beside the row's median."""
+    def key(lay: Layout) -> tuple[object, ...]:  # one stage is one stage, however many blocks it was cut into
+        return lay.dp, lay.counts if lay.pp > 1 else None, lay.microbatches, lay.reduce_dtype is not None
+
+    predicted = {key(r.layout): r.prediction for choice in choices for r in choice.rows}
     out = {}
-    for row in choice.rows:
-        lay = row.layout
-        name = "pipedp-dp" if lay.pp == 1 else f"pipedp-pp2x{lay.microbatches}" if lay.dp == 1 and lay.pp == 2 else None
-        if name in ms:
-            p = row.prediction
+    for name, lay in layouts.items():
+        p = predicted.get(key(lay))
+        if p is not None and name in ms:
             out[name] = {"predicted_ms": p.step_ms, "measured_ms": ms[name], "error": p.step_ms / ms[name] - 1,
                          "allreduce_bytes": p.allreduce_bytes, "p2p_bytes": p.p2p_bytes}
     return out

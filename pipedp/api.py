@@ -56,7 +56,7 @@ def wrap(
     dp_group: ProcessGroup | None = None,
     pp_group: ProcessGroup | None = None,
     bucket_mb: float = DEFAULT_BUCKET_MB,
-    reduce_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | str | None = None,
     timeout: float = DEFAULT_TIMEOUT_S,
     distributed: bool = True,
     kernels: str = "auto",

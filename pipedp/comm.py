@@ -181,9 +181,10 @@ class Local:
 class Distributed:
     """This rank in a data-parallel x pipeline layout over ``torch.distributed``."""
 
-    def __init__(self, layout: Layout, options: DataParallelOptions) -> None:
+    def __init__(self, layout: Layout, options: DataParallelOptions, reduce_dtype: torch.dtype | None) -> None:
         self.layout = layout
         self.options = options
+        self.reduce_dtype = reduce_dtype  # resolved: options.reduce_dtype may be the request "auto"
         self.pp, self.pp_rank = layout.pp, layout.pp_rank
         self.rank, self.world = layout.rank, layout.world
 
@@ -255,7 +256,7 @@ class Distributed:
     def grad_sync(self, stages: Sequence[Stage]) -> GradSync | None:
         return GradSync(
             [list(st.chain.parameters()) for st in stages], self.layout.dp_group,
-            bucket_bytes=self.options.bucket_bytes, reduce_dtype=self.options.reduce_dtype,
+            bucket_bytes=self.options.bucket_bytes, reduce_dtype=self.reduce_dtype,
             timeout=self.layout.timeout,
         )
 
@@ -307,13 +308,17 @@ def _check_reduce(op: str, over: str) -> None:
         raise ValueError(f"all_reduce takes op 'sum' or 'max' over 'pipeline' or 'world', got {op!r} over {over!r}")
 
 
-def communicator(options: DataParallelOptions, pp: int | None = None) -> Communicator:
+def communicator(options: DataParallelOptions, pp: int | None = None,
+                 reduce_dtype: torch.dtype | None = None) -> Communicator:
     """The communicator for this process: distributed whenever a process group exists (unless disabled).
 
-    ``pp``: the pipeline ranks ``pp="auto"`` resolved to (the options keep the request).
+    ``pp``, ``reduce_dtype``: what ``pp="auto"`` resolved them to (the options keep the request); None:
+    the options' own (``reduce_dtype="auto"`` unresolved, with no world to weigh it in, reduces in fp32).
     """
+    if reduce_dtype is None and options.reduce_dtype != "auto":
+        reduce_dtype = options.reduce_dtype  # type: ignore[assignment]
     layout = None
     if options.enabled:
         layout = resolve_layout(pp=pp if pp is not None else options.pp, mesh=options.mesh, dp_group=options.dp_group,
                                 pp_group=options.pp_group, timeout=options.timeout)
-    return Local() if layout is None else Distributed(layout, options)
+    return Local() if layout is None else Distributed(layout, options, reduce_dtype)

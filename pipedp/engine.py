@@ -59,6 +59,11 @@ __all__ = ["Engine"]
 CHECKPOINT_FORMAT = 2
 
 
+# What reduce_dtype="auto" lets pp="auto" weigh: bf16 keeps fp32's range (an fp16 sum can overflow), and both
+# NCCL and gloo reduce it.
+AUTO_REDUCE_DTYPE = torch.bfloat16
+
+
 def _world_microbatches(spec: Resolved) -> list[int]:
     """The microbatch counts ``pp="auto"`` may give its layouts: the resolved request's, or all of auto's."""
     return list(AUTO_MICROBATCHES) if spec == "auto" else [int(spec)]
@@ -128,10 +133,13 @@ class Engine:
                 model, global_batch, self.devices[0], _world_trial(model, self.optimizer, global_batch, opts,
                                                                     dp_options, topts),
                 microbatches=allowed, budget_s=opts.plan_budget_s, bucket_bytes=dp_options.bucket_bytes,
-                schedule=opts.schedule, depth=opts.depth, withheld=withheld, coupled=coupled)
+                schedule=opts.schedule, depth=opts.depth, withheld=withheld, coupled=coupled,
+                reduce_dtypes=(None, AUTO_REDUCE_DTYPE) if dp_options.reduce_dtype == "auto" else (
+                    dp_options.reduce_dtype,))
             sample = global_batch[: global_batch.shape[0] // self.world.layout.dp]  # this replica's batch
         resolved_pp = self.world.layout.pp if self.world is not None else 1 if dp_options.pp == "auto" else None
-        self.comm = communicator(dp_options, pp=resolved_pp)
+        self.comm = communicator(dp_options, pp=resolved_pp,
+                                 reduce_dtype=self.world.layout.reduce_dtype if self.world is not None else None)
         self.comm.check(self.devices, opts.cuda_graph)
         self.comm.check_same_model(model, self.optimizer, opts, topts)
         self.comm.same_start(model)  # rank 0's values everywhere, as DDP does
@@ -492,7 +500,8 @@ def _world_trial(model: nn.Module, optimizer: torch.optim.Optimizer | None, glob
             copy.deepcopy(model), optimizer=opt, loss_fn=surrogate_loss,
             pipeline=replace(pipeline, stages=list(layout.counts), microbatches=layout.microbatches,
                              schedule=layout.schedule, profile=False, progress=False),
-            data_parallel=replace(data_parallel, pp=layout.pp), kernels=KernelOptions(mode="torch"),
+            data_parallel=replace(data_parallel, pp=layout.pp, reduce_dtype=layout.reduce_dtype),
+            kernels=KernelOptions(mode="torch"),
             training=training, sample=x)
 
         def step() -> None:

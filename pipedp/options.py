@@ -170,7 +170,11 @@ class DataParallelOptions:
     needs ``sample=``, the global batch of one step). Or a ``mesh`` with dims ``("dp", "pp")`` /
     ``("dp",)``, or explicit ``dp_group``/``pp_group``. ``bucket_mb``: gradient
     all-reduce bucket size (DDP's ``bucket_cap_mb``). ``reduce_dtype``:
-    ``torch.bfloat16``/``torch.float16`` all-reduce gradients in half the bytes.
+    ``torch.bfloat16``/``torch.float16`` all-reduce gradients in half the bytes;
+    ``"auto"`` (with ``pp="auto"``) allows a bf16 all-reduce, which ``pp="auto"``
+    then weighs beside the fp32 one for every layout, as a user reaching for
+    DDP's compression hook would (other math: each rank's gradient rounded to
+    8 significant bits before the sum).
     ``timeout``: seconds a collective or transfer may take before the step,
     ``wrap()`` or ``save()``/``state_dict()`` fails with
     :class:`pipedp.DistributedError`. ``enabled`` (wrap's ``distributed``):
@@ -183,7 +187,7 @@ class DataParallelOptions:
     dp_group: ProcessGroup | None = field(default=None, metadata=_LOCAL)
     pp_group: ProcessGroup | None = field(default=None, metadata=_LOCAL)
     bucket_mb: float = DEFAULT_BUCKET_MB
-    reduce_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | str | None = None
     timeout: float = field(default=DEFAULT_TIMEOUT_S, metadata=_LOCAL)
 
     def __post_init__(self) -> None:
@@ -192,8 +196,13 @@ class DataParallelOptions:
             raise ValueError(f"pp must be a positive int or 'auto', got {self.pp!r}")
         positive_number("bucket_mb", self.bucket_mb, "MiB")
         positive_number("timeout", self.timeout, "seconds")
-        if self.reduce_dtype not in (None, torch.bfloat16, torch.float16):
-            raise ValueError(f"reduce_dtype must be None, torch.bfloat16 or torch.float16, got {self.reduce_dtype!r}")
+        if self.reduce_dtype not in (None, torch.bfloat16, torch.float16, "auto"):
+            raise ValueError(f"reduce_dtype must be None, torch.bfloat16, torch.float16 or 'auto', got "
+                             f"{self.reduce_dtype!r}")
+        if self.reduce_dtype == "auto" and self.pp != "auto":
+            raise ValueError(f"reduce_dtype='auto' lets pp='auto' weigh a bf16 all-reduce beside the fp32 one, but "
+                             f"pp={self.pp!r} is fixed: pass pp='auto', or choose the dtype yourself "
+                             f"(reduce_dtype=torch.bfloat16, or None for fp32)")
 
     @property
     def bucket_bytes(self) -> int:

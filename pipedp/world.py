@@ -165,6 +165,7 @@ def choose_world(model: nn.Module, global_batch: torch.Tensor, device: torch.dev
                  microbatches: Sequence[int], budget_s: float, bucket_bytes: float, schedule: str = "1f1b",
                  depth: int = 1, rounds: int = 2, steps: int = 1, k: int = FINALISTS, within: float = WITHIN,
                  withheld: Sequence[int] = (), coupled: str | None = None,
+                 reduce_dtypes: Sequence[torch.dtype | None] = (None,),
                  now: Callable[[], float] = time.perf_counter) -> WorldChoice:
     """The layout of this world for training ``model`` on ``global_batch`` (collective: every rank calls it).
 
@@ -174,7 +175,8 @@ def choose_world(model: nn.Module, global_batch: torch.Tensor, device: torch.dev
     predictions are timed (:func:`finalists`). ``withheld``: microbatch counts the user's options do not
     allow (one microbatch kept for the exact math of ``coupled``, a BatchNorm): pipelines with them are
     predicted and shown, never built, and a note says what they would have gained and which option
-    allows them.
+    allows them. ``reduce_dtypes``: the dtypes the gradient all-reduce may travel in (None: the gradients'
+    own), each weighed for every layout with replicas.
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("pp='auto' lays out a torch.distributed world: launch with torchrun and call "
@@ -197,7 +199,7 @@ def choose_world(model: nn.Module, global_batch: torch.Tensor, device: torch.dev
     if me == 0:
         every = rank(profile.costs(), world, n, allreduce, p2p=p2p, update_ms=profile.update_ms,
                      microbatches=sorted({*microbatches, *withheld}), schedules=(schedule,),
-                     bucket_bytes=bucket_bytes)
+                     bucket_bytes=bucket_bytes, reduce_dtypes=reduce_dtypes)
         allowed = [p for p in every if p.layout.pp == 1 or p.layout.microbatches in microbatches]
         shared = [(allowed, [p for p in every if p not in allowed], allreduce, p2p)]
     dist.broadcast_object_list(shared, src=0)

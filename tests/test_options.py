@@ -31,7 +31,8 @@ def test_pipeline_options_reject(kw, match):
     (dict(pp=0), "pp must be a positive int"),
     (dict(bucket_mb=0), "bucket_mb must be a positive number of MiB"),
     (dict(timeout=-1), "timeout must be a positive number of seconds"),
-    (dict(reduce_dtype=torch.int8), "reduce_dtype must be None, torch.bfloat16 or torch.float16"),
+    (dict(reduce_dtype=torch.int8), "reduce_dtype must be None, torch.bfloat16, torch.float16 or 'auto'"),
+    (dict(reduce_dtype="auto"), "pp=1 is fixed: pass pp='auto'"),
     (dict(enabled=1), "distributed must be True or False"),
 ])
 def test_data_parallel_options_reject(kw, match):

@@ -111,6 +111,30 @@ def test_ranks_agree_on_the_fastest_measured_layout(slow_dp):
     assert "chosen" in a["table"] and "predicted ms" in a["table"]
 
 
+def _choose_with_a_compressed_reduce(rank: int, world: int) -> dict:
+    """reduce_dtype="auto": every layout with replicas is weighed in bf16 too, and its trial is built that way."""
+    built = []
+
+    def trial(layout: Layout):
+        built.append(layout)
+        # The bf16 all-reduce is the fastest: 2 ms, the fp32 one 20 ms, pipelines 10 ms.
+        ms = (2 if layout.reduce_dtype == torch.bfloat16 else 20) if layout.pp == 1 else 10
+        return (lambda: time.sleep(ms / 1e3)), (lambda: None)
+
+    choice = choose_world(sequential_cnn(), torch.randn(16, 3, 16, 16), torch.device("cpu"), trial,
+                          microbatches=(2, 4), budget_s=60.0, bucket_bytes=2**20, steps=1, rounds=2, k=8,
+                          within=float("inf"), reduce_dtypes=(None, torch.bfloat16))
+    return {"layout": choice.layout, "built": built, "rows": [r.layout for r in choice.rows], "table": choice.table()}
+
+
+def test_pp_auto_weighs_a_compressed_reduce_where_the_user_allows_it():
+    a, b = multiproc.run(_choose_with_a_compressed_reduce, 2, timeout_s=120)
+    assert a["layout"] == b["layout"] == Layout(2, a["layout"].counts, 1, reduce_dtype=torch.bfloat16)
+    assert {lay.reduce_dtype for lay in a["rows"] if lay.dp == 2} == {None, torch.bfloat16}
+    assert all(lay.reduce_dtype is None for lay in a["rows"] if lay.dp == 1)
+    assert any(lay.reduce_dtype == torch.bfloat16 for lay in a["built"]) and "bfloat16 reduce" in a["table"]
+
+
 def _choose_on_a_budget(rank: int, world: int) -> dict:
     """A fake clock: each trial's steps take 4 s of it; with a 5 s budget only the first finalist fits."""
     clock = [0.0]
@@ -163,35 +187,41 @@ def test_no_trial_is_timed_where_it_could_decide_nothing(case):
     assert ("chosen by prediction, not timed" if case == "lone" else "two trials") in a["notes"][0]
 
 
-def _train_auto(rank: int, world: int) -> dict:
+def _train_auto(rank: int, world: int, reduce_dtype: str | None = None) -> dict:
     torch.manual_seed(0)
     model = sequential_cnn()
     batches = data(n=16, size=16, steps=2)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     engine = pipedp.wrap(model, optimizer=opt, loss_fn=nn.CrossEntropyLoss(), pp="auto", sample=batches[0][0],
-                         progress=False, profile=False, plan_budget_s=60.0)
+                         progress=False, profile=False, plan_budget_s=60.0, reduce_dtype=reduce_dtype)
     lay, chosen = engine.layout, engine.world.layout
     n = 16 // lay.dp  # this replica's share of each global batch
     for x, y in batches:
         engine.train_step(x[lay.dp_rank * n:(lay.dp_rank + 1) * n], y[lay.dp_rank * n:(lay.dp_rank + 1) * n])
     owned = {id(p) for st in engine.executor.stages for p in st.chain.parameters()}
     return {"chosen": chosen, "dp": lay.dp, "pp": lay.pp, "microbatches": engine.plan.microbatches,
+            "reduce_dtype": engine.comm.reduce_dtype, "table": engine.world.table(),
             "params": {k: p.detach().clone() for k, p in model.named_parameters() if id(p) in owned},
             "plan": str(engine.plan)}
 
 
-def test_pp_auto_builds_the_layout_it_chose_and_trains_as_plain_training():
-    a, b = multiproc.run(_train_auto, 2, timeout_s=180)
+@pytest.mark.parametrize("reduce_dtype", [None, "auto"])
+def test_pp_auto_builds_the_layout_it_chose_and_trains_as_plain_training(reduce_dtype):
+    a, b = multiproc.run(_train_auto, 2, reduce_dtype, timeout_s=180)
     assert a["chosen"] == b["chosen"]
     chosen = a["chosen"]
     assert (a["dp"], a["pp"]) == (chosen.dp, chosen.pp) == (b["dp"], b["pp"])
     assert a["microbatches"] == chosen.microbatches and "pp=auto" in a["plan"]
+    # The gradients travel in the dtype the choice says (fp32 unless the user allowed bf16 and it won).
+    assert a["reduce_dtype"] == b["reduce_dtype"] == chosen.reduce_dtype
+    assert ("bfloat16 reduce" in a["table"]) == (reduce_dtype == "auto")
     torch.manual_seed(0)
     ref = plain_steps(sequential_cnn(), data(n=16, size=16, steps=2), microbatches=chosen.microbatches)
     want = dict(ref.named_parameters())
+    tol = 1e-5 if chosen.reduce_dtype is None else 2e-3  # bf16 rounds each rank's gradient to 8 bits
     for got in (a["params"], b["params"]):
         assert got  # every rank owns some parameters
-        assert max((got[k] - want[k].detach()).abs().max().item() for k in got) < 1e-5
+        assert max((got[k] - want[k].detach()).abs().max().item() for k in got) < tol
 
 
 def test_pp_auto_in_one_process_is_the_one_layout_and_needs_no_sample():

@@ -18,7 +18,9 @@ pipeline moves activations and idles in its bubble. The prediction:
   :func:`~pipedp.decide.links.p2p_s` on the sender's forward and the
   receiver's backward;
 * gradient sync: each stage's gradients are ring-all-reduced over its ``dp``
-  replicas in buckets, overlapped with the stage's last backward as the
+  replicas in buckets (in the layout's ``reduce_dtype``: a 16-bit reduce
+  moves half the bytes; the casts to and from it are not predicted, the
+  trials time them), overlapped with the stage's last backward as the
   engine's gradient sync does (buckets become ready through that backward;
   the last one starts when it ends);
 * update: each stage's optimizer update (its share, by parameter bytes, of
@@ -35,6 +37,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from typing import Sequence
+
+import torch
 
 from ..partition.balance import balance
 from ..partition.profile import BlockProfile
@@ -107,12 +111,14 @@ class BlockCosts:
 
 @dataclass(frozen=True)
 class Layout:
-    """``dp`` replicas of a pipeline of ``len(counts)`` stages (blocks per stage), ``microbatches`` each."""
+    """``dp`` replicas of a pipeline of ``len(counts)`` stages (blocks per stage), ``microbatches`` each;
+    ``reduce_dtype``: the dtype the gradients are all-reduced in (None: their own)."""
 
     dp: int
     counts: tuple[int, ...]
     microbatches: int
     schedule: str = "1f1b"
+    reduce_dtype: torch.dtype | None = None
 
     @property
     def pp(self) -> int:
@@ -121,7 +127,13 @@ class Layout:
     @property
     def label(self) -> str:
         tail = f" x {self.microbatches} mb" + (f" {self.schedule}" if self.pp > 1 else "")
-        return f"dp {self.dp} x pp {self.pp}" + (tail if self.pp > 1 or self.microbatches > 1 else "")
+        wire = f", {str(self.reduce_dtype).removeprefix('torch.')} reduce" if self.reduce_dtype is not None else ""
+        return f"dp {self.dp} x pp {self.pp}" + (tail if self.pp > 1 or self.microbatches > 1 else "") + wire
+
+    @property
+    def wire_share(self) -> float:
+        """The share of fp32 gradient bytes its all-reduce moves (parameters are taken to be fp32)."""
+        return 1.0 if self.reduce_dtype is None else min(1.0, self.reduce_dtype.itemsize / 4)
 
 
 @dataclass(frozen=True)
@@ -185,10 +197,11 @@ def predict(costs: BlockCosts, layout: Layout, global_batch: int, link: Link, *,
     start = 0
     for s, k in enumerate(layout.counts):
         params = sum(b.param_bytes for b in blocks[start : start + k])
+        wire = params * layout.wire_share  # the buckets are packed at the gradients' size, cast to travel
         start += k
-        carried = max(carried, 2.0 * (layout.dp - 1) / layout.dp * params)
+        carried = max(carried, 2.0 * (layout.dp - 1) / layout.dp * wire)
         buckets = max(1, math.ceil(params / bucket_bytes))
-        ms = allreduce_s(link, params, layout.dp, buckets) * 1e3
+        ms = allreduce_s(link, wire, layout.dp, buckets) * 1e3
         sync = max(sync, ms)
         b = last[s]
         synced = max(b.end, b.end + ms / buckets, b.start + ms) if ms > 0 else b.end
@@ -199,7 +212,8 @@ def predict(costs: BlockCosts, layout: Layout, global_batch: int, link: Link, *,
 
 def layouts(blocks: Sequence[BlockProfile], ranks: int, global_batch: int,
             microbatches: Sequence[int] = (1, 2, 4, 8), schedules: Sequence[str] = ("1f1b",), *,
-            hop: Link | None = None, profile_batch: int | None = None) -> list[Layout]:
+            hop: Link | None = None, profile_batch: int | None = None,
+            reduce_dtypes: Sequence[torch.dtype | None] = (None,)) -> list[Layout]:
     """Every layout of ``ranks`` ranks the engine can run on ``global_batch``: each ``pp`` dividing ``ranks``.
 
     Each pipeline is cut where the profiled costs balance; with ``hop`` (the
@@ -208,7 +222,9 @@ def layouts(blocks: Sequence[BlockProfile], ranks: int, global_batch: int,
     is another cut: over a slow hop a cut at a smaller activation can beat
     the balanced one. Replicas and microbatches hold at least two samples (a
     BatchNorm needs them); one stage is never microbatched (with compute
-    linear in the samples it only adds overhead).
+    linear in the samples it only adds overhead). Every layout with
+    replicas comes once per ``reduce_dtypes`` (the all-reduce's dtypes the
+    user allows); one without replicas reduces nothing.
     """
     costs = [b.cost_ms for b in blocks]
     out = []
@@ -225,7 +241,8 @@ def layouts(blocks: Sequence[BlockProfile], ranks: int, global_batch: int,
             for m in (microbatches if pp > 1 else (1,)):
                 if m <= per_replica // MIN_SAMPLES:
                     for sched in (schedules if pp > 1 else ("1f1b",)):
-                        out.append(Layout(dp, counts, m, sched))
+                        for wire in (reduce_dtypes if dp > 1 else (None,)):
+                            out.append(Layout(dp, counts, m, sched, wire))
     return out
 
 
@@ -239,10 +256,11 @@ def hop_aware_cut(blocks: Sequence[BlockProfile], pp: int, hop: Link, scale: flo
 
 def rank(costs: BlockCosts, ranks: int, global_batch: int, link: Link, *, p2p: Link | None = None,
          update_ms: float = 0.0, microbatches: Sequence[int] = (1, 2, 4, 8), schedules: Sequence[str] = ("1f1b",),
-         bucket_bytes: float = 25 * 2**20, overhead_ms: float = ACTION_OVERHEAD_MS) -> list[Prediction]:
+         bucket_bytes: float = 25 * 2**20, overhead_ms: float = ACTION_OVERHEAD_MS,
+         reduce_dtypes: Sequence[torch.dtype | None] = (None,)) -> list[Prediction]:
     """Every layout of :func:`layouts`, predicted, fastest first."""
     preds = [predict(costs, lay, global_batch, link, p2p=p2p, update_ms=update_ms, bucket_bytes=bucket_bytes,
                      overhead_ms=overhead_ms)
              for lay in layouts(costs.blocks, ranks, global_batch, microbatches, schedules, hop=p2p or link,
-                                profile_batch=costs.batch)]
+                                profile_batch=costs.batch, reduce_dtypes=reduce_dtypes)]
     return sorted(preds, key=lambda p: p.step_ms)

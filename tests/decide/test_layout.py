@@ -1,6 +1,7 @@
 import random
 
 import pytest
+import torch
 
 from pipedp.decide.layout import BlockCosts, Layout, layouts, predict, rank
 from pipedp.decide.links import Link
@@ -53,6 +54,32 @@ def test_each_layout_says_what_it_moves_over_its_links_a_step():
     hybrid = predict(costs(bl), Layout(2, (5, 3), 2), 64, SLOW, overhead_ms=0.0)
     assert hybrid.allreduce_bytes == pytest.approx(5 * 4 * 2**20)  # the 5-block stage, over 2 replicas
     assert "all-reduce 21 MB" in hybrid.moves() and "stage hop 4 MB" in hybrid.moves()
+
+
+def test_a_16_bit_reduce_moves_half_the_bytes_and_wins_only_where_the_link_waits():
+    """The buckets are packed at fp32 (the same count), the wire carries half; over a free link the two tie."""
+    bl = blocks()
+    fp32 = predict(costs(bl), Layout(2, (8,), 1), 64, SLOW, overhead_ms=0.0)
+    bf16 = predict(costs(bl), Layout(2, (8,), 1, reduce_dtype=torch.bfloat16), 64, SLOW, overhead_ms=0.0)
+    assert bf16.allreduce_bytes == pytest.approx(fp32.allreduce_bytes / 2)
+    assert bf16.allreduce_ms == pytest.approx(2 * 1e-4 * 2 * 1e3 + 16 * 2**20 / 1e8 * 1e3)  # still 2 buckets
+    assert bf16.step_ms < fp32.step_ms
+    free = [predict(costs(bl), Layout(2, (8,), 1, reduce_dtype=d), 64, FREE, overhead_ms=0.0).step_ms
+            for d in (None, torch.float16)]
+    assert free[0] == pytest.approx(free[1])
+    assert Layout(2, (8,), 1, reduce_dtype=torch.bfloat16).label == "dp 2 x pp 1, bfloat16 reduce"
+
+
+def test_each_reduce_dtype_is_a_layout_only_where_replicas_reduce():
+    bl = blocks(n=4)
+    got = layouts(bl, 2, 16, microbatches=(1, 2), reduce_dtypes=(None, torch.bfloat16))
+    dp = [lay for lay in got if lay.dp == 2]
+    assert {lay.reduce_dtype for lay in dp} == {None, torch.bfloat16} and len(dp) == 2
+    assert all(lay.reduce_dtype is None for lay in got if lay.dp == 1)  # a lone replica reduces nothing
+    # 512 MiB of gradients against a 64 MiB activation per 16 samples: halving the all-reduce wins.
+    heavy = blocks(params=64 << 20, out=64 << 20)
+    best = rank(costs(heavy), 2, 64, SLOW, microbatches=(1, 2), reduce_dtypes=(None, torch.bfloat16))[0]
+    assert best.layout.dp == 2 and best.layout.reduce_dtype == torch.bfloat16
 
 
 def test_the_update_is_split_over_the_stages_by_their_parameters():

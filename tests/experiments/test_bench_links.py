@@ -22,13 +22,23 @@ def test_a_small_run_times_every_configuration_at_each_rate(tmp_path):
     for run in report["runs"]:
         (r,) = run["results"]
         assert set(r["ms"]) == {"ddp", "ddp-fp16", "ddp-powersgd", "pipedp-dp", "pipedp-dp-fp16", "pipedp-pp2x2",
-                                "pp-auto"}
+                                "pp-auto", "pp-auto-16"}
         assert all(v > 0 for v in r["ms"].values()) and r["best_exact"] != "ddp-powersgd"
-        assert r["vs_ddp"]["ddp"] == 1.0 and r["auto"]["chosen"]
-        assert r["forecast"]["pipedp-dp"]["predicted_ms"] > 0 and "pipedp-pp2x2" in r["forecast"]
-        assert r["auto"]["probed_bytes_per_s"]["allreduce"] > 0
+        assert r["vs_ddp"]["ddp"] == 1.0 and r["auto"]["pp-auto"]["chosen"]
+        assert r["auto"]["pp-auto"]["bar"] == r["best_exact"] and r["auto"]["pp-auto-16"]["bar"] == r["best_any"]
+        assert "bfloat16 reduce" in r["auto"]["pp-auto-16"]["table"]
+        assert "bfloat16 reduce" not in r["auto"]["pp-auto"]["table"]
+        # each pipedp row beside the prediction of its very layout (the 16-bit row's from the bf16-allowed plan)
+        assert {"pipedp-dp", "pipedp-dp-fp16", "pipedp-pp2x2"} <= set(r["forecast"])
+        assert r["forecast"]["pipedp-dp-fp16"]["allreduce_bytes"] == pytest.approx(
+            r["forecast"]["pipedp-dp"]["allreduce_bytes"] / 2)
+        assert r["auto"]["pp-auto"]["probed_bytes_per_s"]["allreduce"] > 0
+        assert len(run["link_stats"]) == 2
+        if run["rate_mbit"]:  # an unshaped link has no qdisc that counts
+            assert all(n["sent_bytes"] > 0 and n["dropped"] >= 0 for n in run["link_stats"])
     text = md.read_text()
     assert text.count("| unlimited | resnet18 | pipedp-dp |") == 1 and "| resnet18 | " in text.split("overtakes")[-1]
+    assert "Packets dropped" in text
 
 
 def _run(rate, ddp, dp, pipe, pred_dp, pred_pipe):
@@ -44,3 +54,6 @@ def test_the_overtaking_rate_is_the_fastest_link_where_a_pipeline_won():
     report["runs"][0] = _run(None, 100, 101, 99, 100, 140)
     assert overtakes(report)["m"][0] == "unlimited"
     assert overtakes({"runs": [_run(None, 1, 1, 2, 1, 2)]}) == {"m": ("not at the rates run", "not at the rates run")}
+    delayed = {**_run(1000, 200, 190, 180, 200, 210), "delay_ms": 1.0}
+    assert overtakes({"runs": [_run(1000, 200, 190, 250, 200, 250), delayed]}) == {
+        "m": ("not at the rates run", "not at the rates run"), "m, 1 ms": ("1000 Mbit/s", "not at the rates run")}
