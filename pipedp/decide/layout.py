@@ -14,9 +14,10 @@ pipeline moves activations and idles in its bubble. The prediction:
   the schedule
   simulator (:mod:`pipedp.pipeline.simulate`) as the executor would
   issue them, every stage on its own rank;
-* point-to-point: each cut's activation (and its gradient, back) costs
-  :func:`~pipedp.decide.links.p2p_s` on the sender's forward and the
-  receiver's backward;
+* point-to-point: each cut's activation (and its gradient, back) crosses in
+  :func:`~pipedp.decide.links.p2p_s`, one message at a time per direction,
+  while both stages go on computing (receives are posted ahead:
+  :mod:`pipedp.pipeline.ahead`); the receiver starts when it has arrived;
 * gradient sync: each stage's gradients are ring-all-reduced over its ``dp``
   replicas in buckets (in the layout's ``reduce_dtype``: a 16-bit reduce
   moves half the bytes; the casts to and from it are not predicted, the
@@ -180,14 +181,15 @@ def predict(costs: BlockCosts, layout: Layout, global_batch: int, link: Link, *,
     fwd, bwd = stage_times(blocks, layout.counts)
     ends = [sum(layout.counts[: s + 1]) - 1 for s in range(layout.pp)]
     worst_p2p = hop_bytes = 0.0
+    cross = []  # per cut, one microbatch's activation (and its gradient back) over the hop
     for s in range(layout.pp - 1):
         t = p2p_s(p2p or link, blocks[ends[s]].output_bytes) * 1e3
-        fwd[s] += t
-        bwd[s + 1] += t
+        cross.append(t)
         worst_p2p = max(worst_p2p, 2 * t)
         hop_bytes = max(hop_bytes, 2.0 * blocks[ends[s]].output_bytes * layout.microbatches)
     sim = simulate(get_schedule(layout.schedule)(layout.pp, layout.microbatches),
-                   duration=action_durations(fwd, bwd, overhead_ms))
+                   duration=action_durations(fwd, bwd, overhead_ms),
+                   transfer=lambda s, a: cross[s] if a.kind == "F" else cross[s - 1])
     last = {}
     for slot in sim.slots:
         if slot.action.kind == "B":

@@ -22,6 +22,7 @@ import torch
 
 from ..device import canonical_device
 from ..partition.boundary import Value, is_value, leaf, map_tensors, tensors
+from .ahead import Ahead
 from .cpu_lane import Flight
 from .p2p import Transport
 from .ranks import check_programs, rank_programs
@@ -243,7 +244,12 @@ class Executor:
                               after=after, label=f"stage {s} ({self.local[s].names[-1]}), {act}")
             flight.wait()
         else:
+            # One thread issues this rank's actions: the receives still to come can be posted ahead, in order.
+            ahead = step.ahead = Ahead(order, step) if self.transport is not None and \
+                self.transport.posts_ahead else None
             for s, act in order:
+                if ahead is not None:
+                    ahead.fill()
                 self._act(s, act, step, sync, update, last)
         if self.transport is not None:
             self.transport.flush()
@@ -357,9 +363,43 @@ class _Step:
         self.total: torch.Tensor | None = None
         # Both sides of a rank boundary derive message keys from the same input signature.
         self.keys = [(tuple(x.shape), x.dtype, loss_fn is not None) for x in xs]
+        self.ahead: Ahead | None = None  # the receives posted ahead, where one thread issues the actions
 
     def _peer(self, s: int) -> int:
         return self.ex.stage_rank[s]
+
+    def peer_of(self, s: int, act: Action) -> int | None:
+        """The rank ``act`` of stage ``s`` receives from: the previous stage's for a forward, the next one's for a
+        backward, where that stage is on another rank."""
+        other = s - 1 if act.kind == "F" else s + 1
+        return self._peer(other) if 0 <= other < self.ex.n and other not in self.ex.local else None
+
+    def post(self, s: int, act: Action) -> bool | None:
+        """Post the receive of ``act`` of stage ``s`` now, where its sizes are known (:class:`Ahead`)."""
+        transport, peer, i = self.ex.transport, self.peer_of(s, act), act.microbatch
+        assert transport is not None and peer is not None
+        if act.kind == "F":
+            key = (s - 1, self.keys[i])
+            if not transport.knows(key):
+                return False
+            transport.post_activation(peer, key)
+            return True
+        out = self.outputs[s][i]
+        if out is None:  # its forward has not run: the gradients' sizes are not known
+            return False
+        outs = [t for t in tensors(out) if t.requires_grad]
+        if not outs:
+            return None
+        transport.post_grads(outs, peer, (s, i))
+        return True
+
+    def _posted(self, s: int, act: Action) -> bool:
+        """Whether the receive of ``act`` was posted ahead; after this the next ones may be."""
+        return self.ahead is not None and self.ahead.take(s, act)
+
+    def _refill(self) -> None:
+        if self.ahead is not None:
+            self.ahead.fill()  # while this action computes, the next transfers cross
 
     def forward(self, s: int, i: int) -> None:
         ex, timer = self.ex, self.timer
@@ -377,7 +417,9 @@ class _Step:
                 self.outputs[s - 1][i] = None
         else:
             assert ex.transport is not None
-            inp = ex.transport.recv_activation(self._peer(s - 1), (s - 1, self.keys[i]))
+            posted = self._posted(s, Action("F", i))
+            inp = ex.transport.recv_activation(self._peer(s - 1), (s - 1, self.keys[i]), posted=posted)
+            self._refill()
         if self.loss_fn is not None:
             self.inputs[s][i] = inp
         if timer is not None:
@@ -434,9 +476,12 @@ class _Step:
                     pairs = [(o, n.grad) for o, n in zip(tensors(out), tensors(nxt))
                              if o.requires_grad and n.grad is not None]
                     outs, grads = [o for o, _ in pairs], [ex._move(g, ready, src, lane) for _, g in pairs]
-                elif outs:
-                    assert ex.transport is not None
-                    grads = ex.transport.recv_grads(outs, self._peer(s + 1))
+                else:
+                    posted = self._posted(s, Action("B", i))
+                    if outs:
+                        assert ex.transport is not None
+                        grads = ex.transport.recv_grads(outs, self._peer(s + 1), posted=(s, i) if posted else None)
+                        self._refill()
                 if timer is not None:
                     timer.begin(lane)
                 if grads:

@@ -1,9 +1,11 @@
 """Activations and gradients between pipeline ranks, over torch.distributed point-to-point ops.
 
 Sends are ``isend`` (the sender goes on; the work is waited on at the end of
-the step), receives are ``irecv`` waited on right away: on NCCL that wait is
-device-side (the receiving stage's stream waits), on gloo the host waits, with
-the layout's timeout. A receiver must know what is coming: the first time an
+the step), receives are ``irecv`` waited on when the action takes them: on NCCL
+that wait is device-side (the receiving stage's stream waits), on gloo the host
+waits, with the layout's timeout. A receive may be posted ahead of its action
+(:mod:`pipedp.pipeline.ahead`): it waits, in posting order per peer, until the
+action takes it. A receiver must know what is coming: the first time an
 activation crosses a boundary for a given input signature, a small metadata
 message per tensor (how many tensors the boundary passes, shape, dtype,
 requires_grad) goes first; both sides key that cache on the same values, so
@@ -14,6 +16,7 @@ the activation tensors the receiver sent that require grad.
 from __future__ import annotations
 
 import datetime
+from collections import deque
 from typing import Any, Hashable
 
 import torch
@@ -40,6 +43,7 @@ class Transport:
         self._pending: list[tuple[Any, torch.Tensor, str, int]] = []
         self._sent_meta: set[Hashable] = set()
         self._meta: dict[Hashable, tuple[bool, list[_Meta]]] = {}  # (a tuple?, per tensor)
+        self._posted: dict[int, deque[tuple[Hashable, list[torch.Tensor], list[Any]]]] = {}  # per peer, in order
 
     def _fail(self, what: str, peer: int, cause: BaseException) -> DistributedError:
         return DistributedError(
@@ -57,16 +61,58 @@ class Transport:
         self._pending.append((work, t, what, peer))
 
     def _recv(self, shape: tuple[int, ...], dtype: torch.dtype, peer: int, what: str) -> torch.Tensor:
+        buf, work = self._irecv(shape, dtype, peer, what)
+        self._wait(work, buf, peer, what)
+        return buf
+
+    def _irecv(self, shape: tuple[int, ...], dtype: torch.dtype, peer: int, what: str) -> tuple[torch.Tensor, Any]:
         buf = torch.empty(shape, dtype=dtype, device=self.device)
         try:
-            work = dist.irecv(buf, src=peer, group=self.group)
+            return buf, dist.irecv(buf, src=peer, group=self.group)
+        except RuntimeError as e:
+            raise self._fail(f"receiving {what} from", peer, e) from e
+
+    def _wait(self, work: Any, buf: torch.Tensor, peer: int, what: str) -> None:
+        try:
             if buf.is_cuda:
                 work.wait()  # device-side on NCCL
             else:
                 work.wait(self.timeout)
         except RuntimeError as e:
             raise self._fail(f"receiving {what} from", peer, e) from e
-        return buf
+
+    def knows(self, key: Hashable) -> bool:
+        """Whether the activations of ``key`` have crossed before (their sizes are known: a receive can be posted)."""
+        return key in self._meta
+
+    def post_activation(self, peer: int, key: Hashable) -> None:
+        """Post the receive of ``key``'s activation now; :meth:`recv_activation` with ``posted=True`` takes it."""
+        self._post(peer, ("activation", key), [(shape, dtype) for shape, dtype, _ in self._meta[key][1]],
+                   "an activation")
+
+    def post_grads(self, like: list[torch.Tensor], peer: int, tag: Hashable) -> None:
+        """Post the receive of the gradients for ``like`` now; :meth:`recv_grads` with the same ``tag`` takes it."""
+        self._post(peer, ("gradients", tag), [(tuple(t.shape), t.dtype) for t in like], "a gradient")
+
+    def _post(self, peer: int, tag: Hashable, specs: list[tuple[tuple[int, ...], torch.dtype]], what: str) -> None:
+        bufs, works = [], []
+        for shape, dtype in specs:
+            buf, work = self._irecv(shape, dtype, peer, what)
+            bufs.append(buf)
+            works.append(work)
+        self._posted.setdefault(peer, deque()).append((tag, bufs, works))
+
+    def _take(self, peer: int, tag: Hashable, what: str) -> list[torch.Tensor]:
+        """The receive posted for ``tag``, waited on: it must be the peer's oldest posted one."""
+        queue = self._posted.get(peer)
+        if not queue or queue[0][0] != tag:
+            head = queue[0][0] if queue else None
+            raise RuntimeError(f"pipeline receives taken out of posting order from rank {peer}: {tag!r} taken, "
+                               f"{head!r} posted first (a pipedp bug: please report it)")
+        _, bufs, works = queue.popleft()
+        for buf, work in zip(bufs, works):
+            self._wait(work, buf, peer, what)
+        return bufs
 
     def send_activation(self, v: Value, peer: int, key: Hashable) -> None:
         """Send an activation (a tensor or a tuple of them); the first time for ``key`` its metadata goes first."""
@@ -91,8 +137,14 @@ class Transport:
         m = self._recv((_META_LEN,), torch.int64, peer, "activation metadata").tolist()
         return m[0], (tuple(m[4 : 4 + m[3]]), _DTYPES[m[1]], bool(m[2]))
 
-    def recv_activation(self, peer: int, key: Hashable) -> Value:
-        """Receive an activation (leaves that require grad where the sender's outputs did)."""
+    def recv_activation(self, peer: int, key: Hashable, posted: bool = False) -> Value:
+        """Receive an activation (leaves that require grad where the sender's outputs did); ``posted``: its
+        receive was posted ahead (:meth:`post_activation`)."""
+        if posted:
+            is_tuple, metas = self._meta[key]
+            bufs = self._take(peer, ("activation", key), "an activation")
+            got = tuple(b.requires_grad_(rg) for b, (_, _, rg) in zip(bufs, metas))
+            return got if is_tuple else got[0]
         if key not in self._meta:
             count, first = self._recv_meta(peer)
             self._meta[key] = (count > 0, [first] + [self._recv_meta(peer)[1] for _ in range(count - 1)])
@@ -105,8 +157,11 @@ class Transport:
         for g in gs:
             self._isend(g, peer, "a gradient")
 
-    def recv_grads(self, like: list[torch.Tensor], peer: int) -> list[torch.Tensor]:
-        """Gradients for ``like`` (the sent tensors that require grad), as the receiver sent them."""
+    def recv_grads(self, like: list[torch.Tensor], peer: int, posted: Hashable | None = None) -> list[torch.Tensor]:
+        """Gradients for ``like`` (the sent tensors that require grad), as the receiver sent them; ``posted``: the
+        tag their receive was posted ahead with (:meth:`post_grads`)."""
+        if posted is not None:
+            return self._take(peer, ("gradients", posted), "a gradient")
         return [self._recv(tuple(t.shape), t.dtype, peer, "a gradient") for t in like]
 
     def flush(self) -> None:
@@ -120,6 +175,13 @@ class Transport:
                     work.wait(self.timeout)
             except RuntimeError as e:
                 raise self._fail(f"sending {what} to", peer, e) from e
+        left = sum(len(q) for q in self._posted.values())
+        if left:  # it would take a message of the next step: drained (its sender waits for it), then refused
+            for peer, queue in self._posted.items():
+                while queue:
+                    self._take(peer, queue[0][0], "a message")
+            raise RuntimeError(f"{left} receive(s) posted ahead were never taken this step (a pipedp bug: please "
+                               f"report it)")
         self.step += 1
 
     def forget(self) -> None:
@@ -133,5 +195,12 @@ class Transport:
         self._meta.clear()
 
     def reset(self) -> None:
-        """Forget in-flight sends after a failed step (the step is being abandoned)."""
+        """Forget in-flight sends and receives posted ahead after a failed step (the step is being abandoned)."""
         self._pending = []
+        self._posted = {}
+
+    @property
+    def posts_ahead(self) -> bool:
+        """Whether receives are worth posting ahead: on gloo (the host's) a message waits for its posted receive;
+        on NCCL the host runs ahead of the device and posts them early anyway."""
+        return self.device.type == "cpu"

@@ -122,13 +122,19 @@ def simulate(
     training: bool = True,
     duration: Callable[[int, Action], float] | None = None,
     resources: Sequence[int] | None = None,
+    transfer: Callable[[int, Action], float] | None = None,
 ) -> Simulation:
     """Run ``schedule`` symbolically and return its timeline.
 
     ``duration(stage, action)`` gives each action's time (default: forward 1,
     backward 2). ``resources[s]`` names the device stage s runs on; stages with
     the same resource never overlap (a serial device). By default every stage
-    has its own. Raises :class:`ScheduleError` if the schedule cannot finish.
+    has its own. ``transfer(stage, action)``: the time the action's result
+    takes to reach the stage that needs it (a forward's to the next stage, a
+    backward's to the previous one) over a link of its own per stage and
+    direction, one message at a time, while both stages go on computing
+    (default: it is there when the action ends). Raises :class:`ScheduleError`
+    if the schedule cannot finish.
     """
     stages = len(schedule) if schedule else 0
     _validate(schedule, training)
@@ -141,6 +147,8 @@ def simulate(
     stage_free = [0.0] * stages
     res_free: dict[int, float] = {}
     done: dict[tuple[int, Action], float] = {}
+    arrive: dict[tuple[int, Action], float] = {}  # where another stage can take the result
+    link_free: dict[tuple[int, str], float] = {}
     slots: list[Slot] = []
     remaining = sum(len(a) for a in schedule)
     while remaining:
@@ -152,7 +160,8 @@ def simulate(
             deps = _deps(s, head, stages)
             if any(d not in done for d in deps):
                 continue
-            start = max([stage_free[s], res_free.get(res[s], 0.0)] + [done[d] for d in deps])
+            start = max([stage_free[s], res_free.get(res[s], 0.0)] + [arrive[d] if d[0] != s else done[d]
+                                                                        for d in deps])
             if best is None or start < best[0]:
                 best = (start, s)
         if best is None:
@@ -163,7 +172,13 @@ def simulate(
         if d < 0:
             raise ScheduleError(f"duration of {act} on stage {s} is negative ({d})")
         end = start + d
-        done[(s, act)] = end
+        done[(s, act)] = arrive[(s, act)] = end
+        if transfer is not None and (s < stages - 1 if act.kind == "F" else s > 0):
+            # Messages leave in the order the stage made them: its actions are taken in order.
+            t = float(transfer(s, act))
+            if t < 0:
+                raise ScheduleError(f"transfer of {act} from stage {s} is negative ({t})")
+            arrive[(s, act)] = link_free[(s, act.kind)] = max(end, link_free.get((s, act.kind), 0.0)) + t
         stage_free[s] = end
         res_free[res[s]] = end
         slots.append(Slot(s, act, start, end))

@@ -71,3 +71,16 @@ def test_shared_resource_serialises_stages():
 def test_one_f_one_b_holds_fewer_activations_than_gpipe():
     assert simulate(one_f_one_b(4, 16)).peak_activations[0] == 4
     assert simulate(gpipe(4, 16)).peak_activations[0] == 16
+
+
+def test_a_transfer_delays_the_dependent_stage_and_its_link_carries_one_message_at_a_time():
+    """The sender goes on computing while its result crosses; the receiver starts when it has arrived."""
+    one = simulate(gpipe(2, 1), duration=lambda s, a: 1.0 if a.kind == "F" else 2.0, transfer=lambda s, a: 0.5)
+    start = {(sl.stage, str(sl.action)): sl.start for sl in one.slots}
+    assert start[(1, "F0")] == 1.5 and start[(0, "B0")] == 5.0 and one.makespan == 7.0
+    two = simulate(gpipe(2, 2), duration=lambda s, a: 1.0 if a.kind == "F" else 0.0, transfer=lambda s, a: 3.0)
+    start = {(sl.stage, str(sl.action)): sl.start for sl in two.slots}
+    assert start[(0, "F1")] == 1.0  # the sender did not wait for its first message to cross
+    assert start[(1, "F0")] == 4.0 and start[(1, "F1")] == 7.0  # the second waited for the link, not the sender
+    with pytest.raises(ScheduleError, match="transfer of F0 from stage 0 is negative"):
+        simulate(gpipe(2, 1), transfer=lambda s, a: -1.0)
