@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+from dataclasses import replace
 import json
 import os
 import statistics
@@ -41,7 +42,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 
 import pipedp
 from pipedp.decide.layout import Layout
-from pipedp.world import window_ms
+from pipedp.world import WorldChoice, window_ms
 
 from .paired import paired_ratio
 
@@ -103,14 +104,12 @@ def configurations(base: nn.Module, args: argparse.Namespace, full: torch.Tensor
         "ddp": (_ddp(copy.deepcopy(base), None), True),
         "ddp-fp16": (_ddp(copy.deepcopy(base), "fp16"), True),
     }
-    blocks = None
     layouts: dict[str, Layout] = {}
     for name, wire in (("pipedp-dp", None), ("pipedp-dp-fp16", torch.float16)):
         engine = _wrap(copy.deepcopy(base), stages=1, microbatches=1, profile=False, reduce_dtype=wire,
                        sample=full[: full.shape[0] // dist.get_world_size()])
         out[name] = (engine.train_step, True)
-        blocks = sum(engine.plan.counts)
-        layouts[name] = Layout(dist.get_world_size(), (blocks,), 1, reduce_dtype=wire)
+        layouts[name] = Layout(dist.get_world_size(), tuple(engine.plan.counts), 1, reduce_dtype=wire)
     if args.powersgd:
         out["ddp-powersgd"] = (_ddp(copy.deepcopy(base), "powersgd"), True)
     for m in (int(v) for v in args.microbatches.split(",")):
@@ -162,7 +161,7 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "best_any": best_any,
         "auto": {k: _auto(engine, setup_s, windows, best if k == "pp-auto" else best_any, windows[k])
                  for k, (engine, setup_s) in autos.items()},
-        "forecast": forecast([autos[k][0].world for k in AUTOS], layouts, ms),
+        "forecast": forecast(autos["pp-auto"][0].world, layouts, ms),
     }
 
 
@@ -176,17 +175,15 @@ def _auto(engine: pipedp.Engine, setup_s: float, windows: dict[str, list[float]]
             "probed_bytes_per_s": {"allreduce": world.allreduce.bytes_per_s, "p2p": world.p2p.bytes_per_s}}
 
 
-def forecast(choices: list[Any], layouts: dict[str, Layout], ms: dict[str, float]) -> dict[str, dict[str, float]]:
-    """pp="auto"'s prediction of each pipedp row's layout (its very cut; a 16-bit reduce of either dtype moves
-    the same bytes), beside the row's median."""
-    def key(lay: Layout) -> tuple[object, ...]:  # one stage is one stage, however many blocks it was cut into
-        return lay.dp, lay.counts if lay.pp > 1 else None, lay.microbatches, lay.reduce_dtype is not None
-
-    predicted = {key(r.layout): r.prediction for choice in choices for r in choice.rows}
+def forecast(choice: WorldChoice, layouts: dict[str, Layout], ms: dict[str, float]) -> dict[str, dict[str, float]]:
+    """pp="auto"'s prediction of each pipedp row's layout (its very cut; one stage as pp="auto" cuts it into
+    blocks), beside the row's median."""
+    assert choice.costs is not None
+    blocks = len(choice.costs.blocks)
     out = {}
     for name, lay in layouts.items():
-        p = predicted.get(key(lay))
-        if p is not None and name in ms:
+        p = choice.predict(lay if lay.pp > 1 else replace(lay, counts=(blocks,)))
+        if name in ms:
             out[name] = {"predicted_ms": p.step_ms, "measured_ms": ms[name], "error": p.step_ms / ms[name] - 1,
                          "allreduce_bytes": p.allreduce_bytes, "p2p_bytes": p.p2p_bytes}
     return out

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .decide.layout import Layout, Prediction, rank
+from .decide.layout import BlockCosts, Layout, Prediction, predict, rank
 from .decide.links import Link
 from .decide.probe import probe_allreduce, probe_p2p
 from .lower import sync_devices
@@ -84,6 +84,19 @@ class WorldChoice:
     planning_s: float
     notes: tuple[str, ...] = ()
     withheld: tuple[Prediction, ...] = ()  # layouts the user's options do not allow, predicted only
+    # What the rows were predicted from (rank 0's profile), so any other layout can be predicted alike.
+    costs: BlockCosts | None = None
+    global_batch: int = 0
+    update_ms: float = 0.0
+    bucket_bytes: float = 25 * 2**20
+
+    def predict(self, layout: Layout) -> Prediction:
+        """``layout`` predicted as the rows were (the same profile and probed links): a layout the user runs
+        instead, or another cut, put beside its measured step."""
+        if self.costs is None:
+            raise ValueError("this layout choice kept no profile to predict from")
+        return predict(self.costs, layout, self.global_batch, self.allreduce, p2p=self.p2p, update_ms=self.update_ms,
+                       bucket_bytes=self.bucket_bytes)
 
     def table(self) -> str:
         """Every layout with predicted and measured step and what it moves over the links, the chosen one marked."""
@@ -197,13 +210,14 @@ def choose_world(model: nn.Module, global_batch: torch.Tensor, device: torch.dev
     p2p = probe_p2p(peer, device=device) if world % 2 == 0 else allreduce
     shared: list[object] = [None]
     if me == 0:
-        every = rank(profile.costs(), world, n, allreduce, p2p=p2p, update_ms=profile.update_ms,
+        costs = profile.costs()
+        every = rank(costs, world, n, allreduce, p2p=p2p, update_ms=profile.update_ms,
                      microbatches=sorted({*microbatches, *withheld}), schedules=(schedule,),
                      bucket_bytes=bucket_bytes, reduce_dtypes=reduce_dtypes)
         allowed = [p for p in every if p.layout.pp == 1 or p.layout.microbatches in microbatches]
-        shared = [(allowed, [p for p in every if p not in allowed], allreduce, p2p)]
+        shared = [(allowed, [p for p in every if p not in allowed], allreduce, p2p, costs, profile.update_ms)]
     dist.broadcast_object_list(shared, src=0)
-    preds, held, allreduce, p2p = shared[0]  # type: ignore[misc]
+    preds, held, allreduce, p2p, costs, update_ms = shared[0]  # type: ignore[misc]
     probed = now()
     if not preds:
         raise ValueError(f"pp='auto': no layout of {world} ranks fits a global batch of {n} (each replica and "
@@ -240,7 +254,8 @@ def choose_world(model: nn.Module, global_batch: torch.Tensor, device: torch.dev
                  f"prediction {probed - profiled:.1f} s, {len(measured)} trial(s) {end - probed:.1f} s")
     layout = choice or pick(rows)
     notes += _withheld_note(next(r for r in rows if r.layout == layout), held, coupled)
-    return WorldChoice(layout, rows, allreduce, p2p, end - start, tuple(notes), tuple(held))
+    return WorldChoice(layout, rows, allreduce, p2p, end - start, tuple(notes), tuple(held), costs, n, update_ms,
+                       bucket_bytes)
 
 
 def _withheld_note(chosen: WorldRow, held: Sequence[Prediction], coupled: str | None) -> list[str]:

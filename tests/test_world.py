@@ -248,3 +248,17 @@ def test_pp_auto_says_what_it_needs(kw, says):
     for msg in multiproc.run(_bad_auto, 2, kw, timeout_s=60):
         assert says in msg and "pp=N" in msg
 
+
+
+def _predict_another(rank: int, world: int) -> dict:
+    choice = choose_world(sequential_cnn(), torch.randn(16, 3, 16, 16), torch.device("cpu"),
+                          lambda lay: ((lambda: None), (lambda: None)), microbatches=(2,), budget_s=0.0,
+                          bucket_bytes=2**20)
+    row = choice.rows[0]
+    return {"same": choice.predict(row.layout) == row.prediction,
+            "other": choice.predict(Layout(1, (1, sum(row.layout.counts) - 1), 4)).step_ms}
+
+
+def test_the_choice_predicts_any_layout_as_it_predicted_its_rows():
+    a, b = multiproc.run(_predict_another, 2, timeout_s=120)
+    assert a["same"] and b["same"] and a["other"] == b["other"] > 0  # rank 0's profile, on every rank

@@ -29,7 +29,7 @@ def test_a_small_run_times_every_configuration_at_each_rate(tmp_path):
         assert "bfloat16 reduce" in r["auto"]["pp-auto-16"]["table"]
         assert "bfloat16 reduce" not in r["auto"]["pp-auto"]["table"]
         # each pipedp row beside the prediction of its very layout (the 16-bit row's from the bf16-allowed plan)
-        assert {"pipedp-dp", "pipedp-dp-fp16", "pipedp-pp2x2"} <= set(r["forecast"])
+        assert set(r["forecast"]) == {"pipedp-dp", "pipedp-dp-fp16", "pipedp-pp2x2"}
         assert r["forecast"]["pipedp-dp-fp16"]["allreduce_bytes"] == pytest.approx(
             r["forecast"]["pipedp-dp"]["allreduce_bytes"] / 2)
         assert r["auto"]["pp-auto"]["probed_bytes_per_s"]["allreduce"] > 0
