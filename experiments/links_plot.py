@@ -5,7 +5,10 @@ axes are logarithmic (rates span 100 Mbit/s to unlimited, steps a factor of
 twenty); the unlimited link sits at the right edge. Written as a plain SVG
 (no plotting library: the results page only needs the figure).
 
-    python -m experiments.links_plot experiments/results/links_cpu_epyc_2026-11-29e.json --out links.svg
+    python -m experiments.links_plot fast.json slow.json --out links.svg
+
+Several reports make one figure: a later report's run at a rate (and delay)
+replaces an earlier one's.
 """
 
 from __future__ import annotations
@@ -50,6 +53,15 @@ def points(report: dict[str, Any]) -> dict[str, dict[str, list[tuple[float, floa
         for pts in lines.values():
             pts.sort()
     return out
+
+
+def merge(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One report of the runs of ``reports``: at each rate and delay, the last report's run."""
+    runs: dict[tuple[float | None, float], dict[str, Any]] = {}
+    for report in reports:
+        for run in report["runs"]:
+            runs[(run.get("rate_mbit"), run.get("delay_ms", 0.0))] = run
+    return {**reports[-1], "runs": list(runs.values())}
 
 
 def _scale(lo: float, hi: float, a: float, b: float, v: float) -> float:
@@ -118,11 +130,14 @@ def _ticks(lo: float, hi: float) -> list[float]:
 
 def plot(argv: Sequence[str] | None = None) -> str:
     p = console.make_parser(PROG, __doc__)
-    p.add_argument("report", help="a bench_links JSON")
+    p.add_argument("reports", nargs="+", help="bench_links JSON files (a later one's run at a rate wins)")
     p.add_argument("--out", required=True, help="the SVG to write")
     args = p.parse_args(argv)
-    with open(args.report) as f:
-        report = json.load(f)
+    loaded = []
+    for path in args.reports:
+        with open(path) as f:
+            loaded.append(json.load(f))
+    report = merge(loaded)
     m = report.get("machine", {})
     s = report.get("settings", {})
     title = (f"bench_links: {m.get('cpu', '?')}, {m.get('cpu_cores', '?')} cores; 2 nodes, global batch "

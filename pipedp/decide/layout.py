@@ -212,7 +212,7 @@ def predict(costs: BlockCosts, layout: Layout, global_batch: int, link: Link, *,
     return Prediction(layout, end, sim.makespan, sync, exposed, worst_p2p, sim.bubble, carried, hop_bytes)
 
 
-def layouts(blocks: Sequence[BlockProfile], ranks: int, global_batch: int,
+def layouts(blocks: Sequence[BlockProfile] | BlockCosts, ranks: int, global_batch: int,
             microbatches: Sequence[int] = (1, 2, 4, 8), schedules: Sequence[str] = ("1f1b",), *,
             hop: Link | None = None, profile_batch: int | None = None,
             reduce_dtypes: Sequence[torch.dtype | None] = (None,)) -> list[Layout]:
@@ -222,29 +222,40 @@ def layouts(blocks: Sequence[BlockProfile], ranks: int, global_batch: int,
     link between stages, its blocks profiled on ``profile_batch`` samples)
     also where they balance counting what each cut sends over it, when that
     is another cut: over a slow hop a cut at a smaller activation can beat
-    the balanced one. Replicas and microbatches hold at least two samples (a
-    BatchNorm needs them); one stage is never microbatched (with compute
-    linear in the samples it only adds overhead). Every layout with
-    replicas comes once per ``reduce_dtypes`` (the all-reduce's dtypes the
-    user allows); one without replicas reduces nothing.
+    the balanced one. Given :class:`BlockCosts`, each microbatch count is cut
+    on the blocks' costs at its own microbatch (a block's fixed cost per call
+    weighs more on fewer samples, which moves the balanced cut). Replicas and
+    microbatches hold at least two samples (a BatchNorm needs them); one
+    stage is never microbatched (with compute linear in the samples it only
+    adds overhead). Every layout with replicas comes once per
+    ``reduce_dtypes`` (the all-reduce's dtypes the user allows); one without
+    replicas reduces nothing.
     """
-    costs = [b.cost_ms for b in blocks]
+    profiled = blocks.blocks if isinstance(blocks, BlockCosts) else tuple(blocks)
+    batch = blocks.batch if isinstance(blocks, BlockCosts) else profile_batch
     out = []
-    for pp in range(1, min(ranks, len(blocks)) + 1):
+    for pp in range(1, min(ranks, len(profiled)) + 1):
         if ranks % pp or global_batch % (ranks // pp):
             continue
         dp = ranks // pp
-        cuts = [tuple(balance(costs, pp)) if pp > 1 else (len(blocks),)]
-        if pp > 1 and hop is not None:
-            cuts = list(dict.fromkeys([*cuts, hop_aware_cut(blocks, pp, hop, global_batch // dp / (
-                profile_batch or global_batch // ranks))]))
         per_replica = global_batch // dp
-        for counts in cuts:
-            for m in (microbatches if pp > 1 else (1,)):
-                if m <= per_replica // MIN_SAMPLES:
-                    for sched in (schedules if pp > 1 else ("1f1b",)):
-                        for wire in (reduce_dtypes if dp > 1 else (None,)):
-                            out.append(Layout(dp, counts, m, sched, wire))
+        for m in (microbatches if pp > 1 else (1,)):
+            if m > per_replica // MIN_SAMPLES:
+                continue
+            if pp == 1:
+                cuts = [(len(profiled),)]
+            elif isinstance(blocks, BlockCosts):  # the costs of this count's microbatch, each cut as it runs
+                at = blocks.at(per_replica / m)
+                cuts = [tuple(balance([b.cost_ms for b in at], pp))]
+                cuts += [hop_aware_cut(at, pp, hop, 1.0)] if hop is not None else []
+            else:
+                cuts = [tuple(balance([b.cost_ms for b in profiled], pp))]
+                cuts += [hop_aware_cut(profiled, pp, hop, per_replica / (batch or global_batch // ranks))] \
+                    if hop is not None else []
+            for counts in dict.fromkeys(cuts):
+                for sched in (schedules if pp > 1 else ("1f1b",)):
+                    for wire in (reduce_dtypes if dp > 1 else (None,)):
+                        out.append(Layout(dp, counts, m, sched, wire))
     return out
 
 
@@ -263,6 +274,6 @@ def rank(costs: BlockCosts, ranks: int, global_batch: int, link: Link, *, p2p: L
     """Every layout of :func:`layouts`, predicted, fastest first."""
     preds = [predict(costs, lay, global_batch, link, p2p=p2p, update_ms=update_ms, bucket_bytes=bucket_bytes,
                      overhead_ms=overhead_ms)
-             for lay in layouts(costs.blocks, ranks, global_batch, microbatches, schedules, hop=p2p or link,
-                                profile_batch=costs.batch, reduce_dtypes=reduce_dtypes)]
+             for lay in layouts(costs, ranks, global_batch, microbatches, schedules, hop=p2p or link,
+                                reduce_dtypes=reduce_dtypes)]
     return sorted(preds, key=lambda p: p.step_ms)

@@ -8,7 +8,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from experiments.links_plot import main, points, svg
+from experiments.links_plot import main, merge, points, svg
 
 NS = "{http://www.w3.org/2000/svg}"
 
@@ -51,3 +51,11 @@ def test_the_command_writes_the_figure(tmp_path):
     src.write_text(json.dumps(_report()))
     assert main([str(src), "--out", str(out)]) == 0
     assert ET.parse(out).getroot().tag == f"{NS}svg" and "2 cores" in out.read_text()
+
+
+def test_a_later_report_replaces_an_earlier_ones_run_at_the_same_rate():
+    old, new = _report(), _report()
+    new["runs"] = [new["runs"][1]]
+    new["runs"][0]["results"][0]["ms"]["ddp"] = 777
+    merged = merge([old, new])
+    assert len(merged["runs"]) == 4 and dict(points(merged)["resnet18"]["ddp"])[100] == 777
