@@ -20,7 +20,7 @@ from experiments.repredict_layouts import report
 
 HERE = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "results")
 RESULTS = sorted(glob.glob(os.path.join(HERE, "layouts_cpu*.json")))
-REPREDICTED = os.path.join(HERE, "layouts_repredicted_2026-11-28.json")
+REPREDICTED = os.path.join(HERE, "layouts_repredicted_2026-11-29.json")
 
 
 # The runs whose ResNet-18 rows docs/results.md states within 15%; two pp="auto" runs (same VM, other hours)
