@@ -222,17 +222,19 @@ def layouts(blocks: Sequence[BlockProfile] | BlockCosts, ranks: int, global_batc
     link between stages, its blocks profiled on ``profile_batch`` samples)
     also where they balance counting what each cut sends over it, when that
     is another cut: over a slow hop a cut at a smaller activation can beat
-    the balanced one. Given :class:`BlockCosts`, each microbatch count is cut
-    on the blocks' costs at its own microbatch (a block's fixed cost per call
-    weighs more on fewer samples, which moves the balanced cut). Replicas and
+    the balanced one. Each microbatch count is cut on the blocks' costs at
+    its own microbatch (given :class:`BlockCosts` of two sizes, a block's
+    fixed cost per call weighs more on fewer samples, which moves the
+    balanced cut; blocks of one size scale in proportion). Replicas and
     microbatches hold at least two samples (a BatchNorm needs them); one
     stage is never microbatched (with compute linear in the samples it only
     adds overhead). Every layout with replicas comes once per
     ``reduce_dtypes`` (the all-reduce's dtypes the user allows); one without
     replicas reduces nothing.
     """
-    profiled = blocks.blocks if isinstance(blocks, BlockCosts) else tuple(blocks)
-    batch = blocks.batch if isinstance(blocks, BlockCosts) else profile_batch
+    if not isinstance(blocks, BlockCosts):  # one profiled size: every microbatch's costs in proportion
+        blocks = BlockCosts(tuple(blocks), profile_batch or global_batch // ranks)
+    profiled = blocks.blocks
     out = []
     for pp in range(1, min(ranks, len(profiled)) + 1):
         if ranks % pp or global_batch % (ranks // pp):
@@ -244,14 +246,10 @@ def layouts(blocks: Sequence[BlockProfile] | BlockCosts, ranks: int, global_batc
                 continue
             if pp == 1:
                 cuts = [(len(profiled),)]
-            elif isinstance(blocks, BlockCosts):  # the costs of this count's microbatch, each cut as it runs
+            else:  # the costs of this count's microbatch, each cut as it runs
                 at = blocks.at(per_replica / m)
                 cuts = [tuple(balance([b.cost_ms for b in at], pp))]
                 cuts += [hop_aware_cut(at, pp, hop, 1.0)] if hop is not None else []
-            else:
-                cuts = [tuple(balance([b.cost_ms for b in profiled], pp))]
-                cuts += [hop_aware_cut(profiled, pp, hop, per_replica / (batch or global_batch // ranks))] \
-                    if hop is not None else []
             for counts in dict.fromkeys(cuts):
                 for sched in (schedules if pp > 1 else ("1f1b",)):
                     for wire in (reduce_dtypes if dp > 1 else (None,)):

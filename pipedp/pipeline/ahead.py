@@ -50,31 +50,30 @@ class Ahead:
             if peer is not None:
                 self.todo.setdefault(peer, []).append((s, act))
         self.next = {peer: 0 for peer in self.todo}  # per peer, the first receive neither posted nor taken
-        self.posted: set[tuple[int, Action]] = set()
-
-    def _outstanding(self, peer: int) -> int:
-        return sum(1 for s, act in self.posted if self.rx.peer_of(s, act) == peer)
+        self.posted: dict[int, set[tuple[int, Action]]] = {peer: set() for peer in self.todo}  # not yet taken
 
     def fill(self) -> None:
         """Post every peer's next receives while their sizes are known, up to the lookahead."""
         for peer, todo in self.todo.items():
-            while self.next[peer] < len(todo) and self._outstanding(peer) < self.lookahead:
+            while self.next[peer] < len(todo) and len(self.posted[peer]) < self.lookahead:
                 s, act = todo[self.next[peer]]
                 done = self.rx.post(s, act)
                 if done is False:
                     break
                 if done:
-                    self.posted.add((s, act))
+                    self.posted[peer].add((s, act))
                 self.next[peer] += 1
 
     def take(self, stage: int, action: Action) -> bool:
         """The action is about to receive: True where its receive was posted ahead (the transport holds it),
         False where the action posts it itself (nothing after it was posted: the walk stopped there)."""
-        if (stage, action) in self.posted:
-            self.posted.discard((stage, action))
-            return True
         peer = self.rx.peer_of(stage, action)
-        if peer is not None and self.next[peer] < len(self.todo[peer]) and \
-                self.todo[peer][self.next[peer]] == (stage, action):
+        if peer is None:
+            return False
+        if (stage, action) in self.posted[peer]:
+            self.posted[peer].discard((stage, action))
+            return True
+        todo = self.todo[peer]
+        if self.next[peer] < len(todo) and todo[self.next[peer]] == (stage, action):
             self.next[peer] += 1
         return False
