@@ -50,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=2, help="steps per window")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--width", type=int, default=None, help="base width of pipedp's zoo models (default theirs)")
-    p.add_argument("--powersgd", action="store_true", help="also DDP with PowerSGD (rank 2; lossy)")
+    p.add_argument("--powersgd", action="store_true", help="also DDP with PowerSGD (rank 2; lossy; its buckets chained for gloo)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per rate before the run is killed")
     p.add_argument("--out", default=None, help="results JSON")
     p.add_argument("--md", default=None, help="markdown table")

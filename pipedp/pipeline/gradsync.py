@@ -40,6 +40,20 @@ any bucket travels; on CUDA the stamp is not read (that would be a host sync).
 With ``reduce_dtype`` (bf16/fp16) the bucket travels in that dtype: half the bytes,
 at the cost of rounding each rank's contribution to 8 (bf16) or 11 (fp16)
 significant bits before the sum.
+
+Why not DDP's reducer, which does the bucketing in C++: it serves one module
+per process, whose every parameter's gradient arrives through autograd in one
+backward. pipedp needs, and DDP cannot give: several stages in one process,
+each with its own buckets launched on that stage's own lane as its last
+microbatch's backward ends (CUDA streams of one GPU, CPU thread teams);
+gradients accumulated outside autograd (split weight gradients on a side
+lane, :meth:`GradSync.accumulated`); an optimizer update per stage that waits
+on that stage's buckets only (:meth:`GradSync.wait_stage`); ranks weighed by
+their share of unequal batches; a layout stamp that fails a step whose ranks
+disagree on what trains before any bucket travels. Where DDP would do the job
+(one stage per process, plain data parallelism), the buckets are laid out as
+DDP's (the same first and later caps, closing at the cap) and measured against
+it side by side (``experiments/bench_links.py``, ``bench_dp.py``).
 """
 
 from __future__ import annotations
