@@ -24,6 +24,7 @@ from ..device import canonical_device
 from ..partition.boundary import Value, is_value, leaf, map_tensors, tensors
 from .ahead import Ahead
 from .cpu_lane import Flight
+from .deps import needs
 from .p2p import Transport
 from .ranks import check_programs, rank_programs
 from .schedule import Action, Schedule, forward_only
@@ -146,6 +147,10 @@ class Executor:
         self.transport = transport
         if transport is None and len(mine) != n:
             raise ValueError("stages on other ranks need a transport")
+        split = sorted({a.kind for acts in schedule for a in acts} - {"F", "B"})
+        if split:
+            raise ValueError(f"this executor runs whole backwards (F and B); the schedule has {', '.join(split)} "
+                             f"actions (a backward split into I and W): simulate it, or run gpipe or 1f1b")
         self.microbatches = len({a.microbatch for a in schedule[0]})
         train = simulate(schedule, duration=duration).order
         infer = simulate(forward_only(n, self.microbatches), training=False, duration=duration).order
@@ -238,7 +243,7 @@ class Executor:
         if self.workers:
             flight = Flight()
             for s, act in order:
-                after = [(s - 1, act)] if act.kind == "F" else [(s + 1, act)]
+                after = [d for d in needs(s, act, self.n) if d[0] != s]  # the lane keeps its own stage's order
                 flight.submit(self.local[s].lane.worker, (s, act),
                               lambda s=s, act=act: self._act(s, act, step, sync, update, last),
                               after=after, label=f"stage {s} ({self.local[s].names[-1]}), {act}")

@@ -1,10 +1,11 @@
 """Schedules whose stages span ranks: each rank's program of compute, send and receive.
 
 When stage s and stage s+1 live on different ranks, an activation goes from
-s's forward to s+1's forward and its gradient comes back, as point-to-point
-messages. Every rank walks the *same* global order (the simulator's), keeping
-its own actions and inserting a receive right before the action that needs a
-remote value and a send right after the action that makes one. Sends do not
+s's forward to s+1's forward and its gradient comes back (from s+1's B or I),
+as point-to-point messages. Each rank takes its own actions in order (from
+the *same* global order, the simulator's, or a schedule's per-rank programs),
+inserting a receive right before the action that needs a remote value and a
+send right after the action that makes one. Sends do not
 block and receives do; :func:`check_programs` runs the programs symbolically
 with one FIFO channel per (sender, receiver) pair and reports a receive that
 would get the wrong message, or ranks that would wait on each other forever.
@@ -13,16 +14,19 @@ would get the wrong message, or ranks that would wait on each other forever.
 from __future__ import annotations
 
 from collections import deque
-from typing import NamedTuple, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
+from .deps import needs, sends
 from .schedule import Action
 from .simulate import ScheduleError
 
-__all__ = ["Op", "rank_programs", "check_programs"]
+__all__ = ["Op", "rank_programs", "lower_programs", "check_programs", "format_program"]
+
+COMPUTE = ("F", "B", "I", "W")
 
 
 class Op(NamedTuple):
-    """One step of a rank's program: compute ("F"/"B") or a message ("send"/"recv")."""
+    """One step of a rank's program: compute ("F", "B", or its halves "I" and "W") or a message ("send"/"recv")."""
 
     kind: str
     stage: int
@@ -36,7 +40,7 @@ class Op(NamedTuple):
         return (self.stage if right else self.stage - 1, self.microbatch, self.payload)
 
     def __str__(self) -> str:
-        if self.kind in ("F", "B"):
+        if self.kind in COMPUTE:
             return f"{self.kind}{self.microbatch}@stage{self.stage}"
         arrow = "to" if self.kind == "send" else "from"
         return f"{self.kind} {self.payload}{self.microbatch} of stage {self.stage} {arrow} rank {self.peer}"
@@ -45,27 +49,43 @@ class Op(NamedTuple):
 def rank_programs(order: Sequence[tuple[int, Action]], stage_rank: Sequence[int]) -> dict[int, list[Op]]:
     """Per rank, its ops in the global ``order`` with the messages between ranks inserted."""
     n = len(stage_rank)
-    progs: dict[int, list[Op]] = {r: [] for r in dict.fromkeys(stage_rank)}
+    compute: dict[int, list[tuple[int, Action]]] = {r: [] for r in dict.fromkeys(stage_rank)}
     for s, a in order:
         if not 0 <= s < n:
             raise ScheduleError(f"order names stage {s}, but there are {n} stages")
-        r, i = stage_rank[s], a.microbatch
-        prev = stage_rank[s - 1] if s > 0 else r
-        nxt = stage_rank[s + 1] if s < n - 1 else r
-        prog = progs[r]
-        if a.kind == "F":
-            if prev != r:
-                prog.append(Op("recv", s, i, "act", prev))
-            prog.append(Op("F", s, i))
-            if nxt != r:
-                prog.append(Op("send", s, i, "act", nxt))
-        else:
-            if nxt != r:
-                prog.append(Op("recv", s, i, "grad", nxt))
-            prog.append(Op("B", s, i))
-            if prev != r:
-                prog.append(Op("send", s, i, "grad", prev))
+        compute[stage_rank[s]].append((s, a))
+    return lower_programs(compute, stage_rank)
+
+
+def lower_programs(compute: Mapping[int, Sequence[tuple[int, Action]]], stage_rank: Sequence[int]
+                   ) -> dict[int, list[Op]]:
+    """Per rank, its (stage, action) pairs in order as ops, with the messages between ranks inserted."""
+    n = len(stage_rank)
+    progs: dict[int, list[Op]] = {}
+    for r, acts in compute.items():
+        prog = progs[r] = []
+        for s, a in acts:
+            if not 0 <= s < n or stage_rank[s] != r:
+                raise ScheduleError(f"rank {r}'s program runs {a} of stage {s}, which is not on rank {r}")
+            i, payload = a.microbatch, "act" if a.kind == "F" else "grad"
+            for ds, _ in needs(s, a, n):
+                if ds != s and stage_rank[ds] != r:
+                    prog.append(Op("recv", s, i, payload, stage_rank[ds]))
+            prog.append(Op(a.kind, s, i))
+            to = sends(s, a, n)
+            if to is not None and stage_rank[to] != r:
+                prog.append(Op("send", s, i, payload, stage_rank[to]))
     return progs
+
+
+def format_program(ops: Sequence[Op]) -> str:
+    """A rank's program in one line: compute as ``<stage><kind><microbatch>`` (``0F3``, ``1I2``), messages
+    as ``<stage>SEND_F3`` / ``RECV_F3`` (activations) and ``SEND_B3`` / ``RECV_B3`` (gradients)."""
+    def one(op: Op) -> str:
+        if op.kind in COMPUTE:
+            return f"{op.stage}{op.kind}{op.microbatch}"
+        return f"{op.stage}{op.kind.upper()}_{'F' if op.payload == 'act' else 'B'}{op.microbatch}"
+    return " ".join(one(op) for op in ops)
 
 
 def check_programs(programs: dict[int, list[Op]]) -> None:

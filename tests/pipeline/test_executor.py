@@ -141,3 +141,10 @@ def test_every_lane_the_step_joins_was_forked_at_its_start(monkeypatch):
     for name in joined:
         fork = log.index((name, "caller")) if (name, "caller") in log else None
         assert fork is not None and fork < log.index(("caller", name)), f"{name} is joined but was never forked"
+
+
+def test_a_schedule_with_split_backwards_is_refused_until_the_executor_runs_them():
+    from pipedp.pipeline.zero_bubble import zb_h1
+
+    with pytest.raises(ValueError, match="the schedule has I, W actions .* run gpipe or 1f1b"):
+        make(2, zb_h1, [])

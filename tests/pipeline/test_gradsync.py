@@ -128,3 +128,35 @@ def test_each_rank_counts_by_its_share_of_the_global_batch():
         # Equal batches: exactly the plain average (the factor is 1).
         assert all(torch.equal(a, b) for a, b in zip(r["equal"], r["plain"]))
         assert "positive int, got 0" in r["error"]
+
+
+def _mixed_case(rank: int, world: int) -> dict:
+    """One bucket whose slots arrive in both microbatches (copied as they are) and only in the last (divided on
+    the way in): each slot divided once."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(8, 8), nn.Linear(8, 8)
+    sync = GradSync([[*a.parameters(), *b.parameters()]], torch.distributed.group.WORLD)  # one bucket
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(rank))
+    sync.attach()
+    a(x[:4]).square().mean().backward()  # b gets nothing in the first microbatch
+    sync.arm(0)
+    (a(x[4:]) + b(x[4:])).square().mean().backward()
+    sync.finish(0)
+    scaled = list(sync.buckets[0].scaled)
+    sync.wait()
+    return {"x": x, "grads": [p.grad.clone() for p in (*a.parameters(), *b.parameters())], "scaled": scaled,
+            "buckets": len(sync.buckets)}
+
+
+def test_slots_divided_on_the_way_in_and_at_the_launch_average_alike():
+    res = multiproc.run(_mixed_case, 2)
+    torch.manual_seed(0)
+    a, b = nn.Linear(8, 8), nn.Linear(8, 8)
+    for r in res:
+        a(r["x"][:4]).square().mean().backward()
+        (a(r["x"][4:]) + b(r["x"][4:])).square().mean().backward()
+    expected = [p.grad / 2 for p in (*a.parameters(), *b.parameters())]
+    for r in res:
+        assert r["buckets"] == 1 and sorted(set(r["scaled"])) == [False, True]  # both paths in one bucket
+        for g, e in zip(r["grads"], expected):
+            assert (g - e).abs().max().item() <= 1e-6

@@ -1,6 +1,7 @@
 import pytest
 
 from pipedp.pipeline import Action, ScheduleError, gpipe, one_f_one_b, simulate
+from pipedp.pipeline.simulate import simulate_ranks
 
 F = lambda i: Action("F", i)  # noqa: E731
 B = lambda i: Action("B", i)  # noqa: E731
@@ -84,3 +85,35 @@ def test_a_transfer_delays_the_dependent_stage_and_its_link_carries_one_message_
     assert start[(1, "F0")] == 4.0 and start[(1, "F1")] == 7.0  # the second waited for the link, not the sender
     with pytest.raises(ScheduleError, match="transfer of F0 from stage 0 is negative"):
         simulate(gpipe(2, 1), transfer=lambda s, a: -1.0)
+
+
+@pytest.mark.parametrize(
+    "sched, match",
+    [
+        ([[F(0), B(0), Action("I", 0), Action("W", 0)]], r"runs both B and I of microbatch\(es\) \[0\]"),
+        ([[F(0), Action("I", 0)]], r"W actions cover microbatches \[\], expected those it runs I of, \[0\]"),
+        ([[F(0), Action("W", 0), Action("I", 0)]], r"stage 0 runs W0 before its own I0 \(dependency violation\)"),
+    ],
+)
+def test_a_split_backward_needs_its_i_then_its_w(sched, match):
+    with pytest.raises(ScheduleError, match=match):
+        simulate(sched)
+
+
+def test_an_input_gradient_made_by_i_travels_like_one_made_by_b():
+    i, w = Action("I", 0), Action("W", 0)
+    sim = simulate([[F(0), B(0)], [F(0), i, w]], duration=lambda s, a: 1.0, transfer=lambda s, a: 0.5)
+    start = {(sl.stage, sl.action): sl.start for sl in sim.slots}
+    # F0 ends at 1, arrives 1.5; stage 1's I0 ends at 3.5 and reaches stage 0 at 4, while its W0 runs
+    assert start[(1, F(0))] == 1.5 and start[(1, w)] == 3.5 and start[(0, B(0))] == 4.0
+
+
+def test_rank_programs_run_in_their_order_and_report_where_they_wait():
+    sim = simulate_ranks([[(0, F(0)), (2, F(0)), (2, B(0)), (0, B(0))], [(1, F(0)), (1, B(0))]])
+    assert sim.lanes == 2 and sim.stages == 3 and sim.makespan == 9.0
+    # rank 0 takes stage 0's backward before stage 2's forward: each rank waits for the other
+    with pytest.raises(ScheduleError, match=r"deadlock: rank 0 \(stage 0\) waits at B0 for B0 of stage 1; "
+                                            r"rank 1 \(stage 1\) waits at B0 for B0 of stage 2"):
+        simulate_ranks([[(0, F(0)), (0, B(0)), (2, F(0)), (2, B(0))], [(1, F(0)), (1, B(0))]])
+    with pytest.raises(ScheduleError, match=r"must be numbered 0..n-1"):
+        simulate_ranks([[(1, F(0)), (1, B(0))]])
