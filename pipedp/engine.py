@@ -198,6 +198,11 @@ class Engine:
     def executor(self) -> Executor | None:
         return self._pipe.executor if self._pipe is not None else None
 
+    @property
+    def program(self) -> str:
+        """Each pipeline rank's program of one step, a line a rank (``rank 0: 0F0 0F1 1F0 ...``; empty until built)."""
+        return self._pipe.executor.program_text() if self._pipe is not None else ""
+
     def _build(self, batch: torch.Tensor) -> Pipeline:
         """Plan and build on ``batch``. Planning runs the model on a copy of it, with the RNG forked: a forward
         that changes its input in place, or draws dropout masks, leaves the user's batch and generators as plain

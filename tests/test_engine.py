@@ -248,6 +248,8 @@ def test_sample_shape_plans_at_wrap_and_auto_picks_one_stage_on_cpu():
 def test_stages_as_block_counts():
     engine = engine_for(sequential_cnn(), microbatches=2, stages=[2, 3, 4], sample=(4, 3, 8, 8))
     assert engine.plan.counts == [2, 3, 4]
+    # the step as each rank runs it: here one rank, three stages, two microbatches of 1F1B
+    assert engine.program.startswith("rank 0: 0F0 0F1 1F0 1F1 2F0 2B0 1B0 ") and engine.program.count("B") == 6
     with pytest.raises(ValueError, match=r"positive block counts summing to the model's 9 blocks"):
         engine_for(sequential_cnn(), microbatches=2, stages=[2, 3], sample=(4, 3, 8, 8))
 

@@ -26,7 +26,7 @@ from .ahead import Ahead
 from .cpu_lane import Flight
 from .deps import needs
 from .p2p import Transport
-from .ranks import check_programs, rank_programs
+from .ranks import check_programs, format_program, rank_programs
 from .schedule import Action, Schedule, forward_only
 from .simulate import simulate
 from .stage import Stage
@@ -154,8 +154,10 @@ class Executor:
         self.microbatches = len({a.microbatch for a in schedule[0]})
         train = simulate(schedule, duration=duration).order
         infer = simulate(forward_only(n, self.microbatches), training=False, duration=duration).order
+        # Every rank's program of a training step (compute, sends, receives), checked where stages span ranks.
+        self.programs = rank_programs(train, self.stage_rank)
         if len(set(self.stage_rank)) > 1:
-            check_programs(rank_programs(train, self.stage_rank))
+            check_programs(self.programs)
             check_programs(rank_programs(infer, self.stage_rank))
         self.train_order = [(s, a) for s, a in train if s in mine]
         self.infer_order = [(s, a) for s, a in infer if s in mine]
@@ -173,6 +175,10 @@ class Executor:
             raise ValueError("CPU worker lanes need every stage on the CPU of this process (no pipeline ranks): "
                              "give every stage a thread count, or none")
         self.workers = all(workers) and bool(workers)
+
+    def program_text(self) -> str:
+        """Each rank's program of a training step, a line a rank (``rank 0: 0F0 0SEND_F0 0F1 ...``)."""
+        return "\n".join(f"rank {r}: {format_program(ops)}" for r, ops in sorted(self.programs.items()))
 
     # -- plumbing ---------------------------------------------------------------------------------
     def _fork(self) -> None:

@@ -148,3 +148,8 @@ def test_a_schedule_with_split_backwards_is_refused_until_the_executor_runs_them
 
     with pytest.raises(ValueError, match="the schedule has I, W actions .* run gpipe or 1f1b"):
         make(2, zb_h1, [])
+
+
+def test_each_ranks_program_of_a_step_prints_a_line_a_rank():
+    ex, _ = make(2, one_f_one_b, [])  # 3 microbatches, both stages here
+    assert ex.program_text() == "rank 0: 0F0 0F1 1F0 1B0 0B0 1F1 1B1 0F2 0B1 1F2 1B2 0B2"
