@@ -24,7 +24,7 @@ from ..device import canonical_device
 from ..partition.boundary import Value, is_value, leaf, map_tensors, tensors
 from .ahead import Ahead
 from .cpu_lane import Flight
-from .deps import needs
+from .deps import grad_kinds, needs
 from .p2p import Transport
 from .ranks import check_programs, format_program, rank_programs
 from .schedule import Action, Schedule, forward_only
@@ -32,6 +32,7 @@ from .simulate import simulate
 from .stage import Stage
 from .stream import Lane, current_lane, new_lane
 from .trace import Clock
+from .weight_grad import Deferred, run_deferred
 
 __all__ = ["Executor", "StepTimer", "tensors_in"]
 
@@ -147,10 +148,8 @@ class Executor:
         self.transport = transport
         if transport is None and len(mine) != n:
             raise ValueError("stages on other ranks need a transport")
-        split = sorted({a.kind for acts in schedule for a in acts} - {"F", "B"})
-        if split:
-            raise ValueError(f"this executor runs whole backwards (F and B); the schedule has {', '.join(split)} "
-                             f"actions (a backward split into I and W): simulate it, or run gpipe or 1f1b")
+        # Backwards split into I and W (zero-bubble schedules): their forwards hold the weight gradients back.
+        self.split = grad_kinds((s, a) for s, acts in enumerate(schedule) for a in acts)
         self.microbatches = len({a.microbatch for a in schedule[0]})
         train = simulate(schedule, duration=duration).order
         infer = simulate(forward_only(n, self.microbatches), training=False, duration=duration).order
@@ -161,7 +160,7 @@ class Executor:
             check_programs(rank_programs(infer, self.stage_rank))
         self.train_order = [(s, a) for s, a in train if s in mine]
         self.infer_order = [(s, a) for s, a in infer if s in mine]
-        self.last_backward = {s: [a for a in schedule[s] if a.kind == "B"][-1].microbatch for s in mine}
+        self.last_backward = {s: [a for a in schedule[s] if a.kind in ("B", "W")][-1].microbatch for s in mine}
         self._fewer: dict[int, tuple[list[tuple[int, Action]], list[tuple[int, Action]], dict[int, int]]] = {}
         self.is_first, self.is_last = 0 in mine, n - 1 in mine
         # With their indices: _move compares them with tensors' devices and looks copy lanes up by them.
@@ -175,6 +174,9 @@ class Executor:
             raise ValueError("CPU worker lanes need every stage on the CPU of this process (no pipeline ranks): "
                              "give every stage a thread count, or none")
         self.workers = all(workers) and bool(workers)
+        if self.split and self.workers:
+            raise ValueError("a schedule with split backwards (I and W) runs one action at a time: give the stages "
+                             "no thread counts of their own, or run gpipe or 1f1b")
 
     def program_text(self) -> str:
         """Each rank's program of a training step, a line a rank (``rank 0: 0F0 0SEND_F0 0F1 ...``)."""
@@ -234,10 +236,15 @@ class Executor:
             if act.kind == "F":
                 step.forward(s, act.microbatch)
                 return
-            last = act.microbatch == last_backward[s]
-            if last and sync is not None:
+            # The stage's last accumulation: its last B, or its last W where backwards are split. A split stage
+            # launches its buckets once that W is done (its I's accumulate some gradients, its W's the rest).
+            last = act.kind != "I" and act.microbatch == last_backward[s]
+            if last and sync is not None and act.kind == "B":
                 sync.arm(self.pos[s])
-            step.backward(s, act.microbatch)
+            if act.kind == "W":
+                step.weight_grads(s, act.microbatch, sync)
+            else:
+                step.backward(s, act.microbatch, act.kind)
             if last and sync is not None:
                 sync.finish(self.pos[s])
             if last and update is not None:
@@ -285,7 +292,7 @@ class Executor:
         if k not in self._fewer:
             train = [(s, a) for s, a in self.train_order if a.microbatch < k]
             infer = [(s, a) for s, a in self.infer_order if a.microbatch < k]
-            self._fewer[k] = train, infer, {s: a.microbatch for s, a in train if a.kind == "B"}
+            self._fewer[k] = train, infer, {s: a.microbatch for s, a in train if a.kind in ("B", "W")}
         return self._fewer[k]
 
     # -- training -------------------------------------------------------------------------------
@@ -349,6 +356,8 @@ class Executor:
 class GradSyncLike(Protocol):
     def arm(self, stage: int) -> None: ...
 
+    def accumulated(self, p: torch.Tensor) -> None: ...
+
     def finish(self, stage: int) -> None: ...
 
 
@@ -375,6 +384,7 @@ class _Step:
         # Both sides of a rank boundary derive message keys from the same input signature.
         self.keys = [(tuple(x.shape), x.dtype, loss_fn is not None) for x in xs]
         self.ahead: Ahead | None = None  # the receives posted ahead, where one thread issues the actions
+        self.held: dict[tuple[int, int], list] = {}  # (stage, microbatch): weight gradients its W computes
 
     def _peer(self, s: int) -> int:
         return self.ex.stage_rank[s]
@@ -382,6 +392,8 @@ class _Step:
     def peer_of(self, s: int, act: Action) -> int | None:
         """The rank ``act`` of stage ``s`` receives from: the previous stage's for a forward, the next one's for a
         backward, where that stage is on another rank."""
+        if act.kind == "W":  # a stage's own weight gradients: nothing comes in
+            return None
         other = s - 1 if act.kind == "F" else s + 1
         return self._peer(other) if 0 <= other < self.ex.n and other not in self.ex.local else None
 
@@ -435,7 +447,11 @@ class _Step:
             self.inputs[s][i] = inp
         if timer is not None:
             timer.begin(lane)
-        out = stage(inp)
+        if self.loss_fn is not None and (s, i) in ex.split:
+            with Deferred(self.held.setdefault((s, i), []), stage.device):
+                out = stage(inp)
+        else:
+            out = stage(inp)
         if s == ex.n - 1 and self.loss_fn is not None:
             with stage.precision():  # the loss under autocast too, as in plain autocast training
                 loss = self.loss_fn(out, ex._move(self.ys[i], None, self.ys[i].device, lane))
@@ -461,7 +477,17 @@ class _Step:
             timer.end(ex.pos[s], lane, f"F{i}")
         self.fwd_ev[s][i] = lane.record()
 
-    def backward(self, s: int, i: int) -> None:
+    def weight_grads(self, s: int, i: int, sync: GradSyncLike | None) -> None:
+        """W: the weight gradients microbatch ``i``'s I held back on stage ``s``, accumulated now."""
+        lane = self.ex.local[s].lane
+        if self.timer is not None:
+            self.timer.begin(lane)
+        run_deferred(self.held.pop((s, i), []), sync.accumulated if sync is not None else lambda p: None)
+        if self.timer is not None:
+            self.timer.end(self.ex.pos[s], lane, f"W{i}")
+
+    def backward(self, s: int, i: int, kind: str = "B") -> None:
+        """B, or I where the weight gradients were held back (its forward ran under :class:`Deferred`)."""
         ex, timer = self.ex, self.timer
         stage = ex.local[s]
         lane = stage.lane
@@ -488,7 +514,7 @@ class _Step:
                              if o.requires_grad and n.grad is not None]
                     outs, grads = [o for o, _ in pairs], [ex._move(g, ready, src, lane) for _, g in pairs]
                 else:
-                    posted = self._posted(s, Action("B", i))
+                    posted = self._posted(s, Action(kind, i))
                     if outs:
                         assert ex.transport is not None
                         grads = ex.transport.recv_grads(outs, self._peer(s + 1), posted=(s, i) if posted else None)
@@ -507,5 +533,5 @@ class _Step:
         if s == 0:
             self.inputs[0][i] = None
         if timer is not None:
-            timer.end(ex.pos[s], lane, f"B{i}")
+            timer.end(ex.pos[s], lane, f"{kind}{i}")
         self.bwd_ev[s][i] = lane.record()

@@ -143,11 +143,19 @@ def test_every_lane_the_step_joins_was_forked_at_its_start(monkeypatch):
         assert fork is not None and fork < log.index(("caller", name)), f"{name} is joined but was never forked"
 
 
-def test_a_schedule_with_split_backwards_is_refused_until_the_executor_runs_them():
+def test_split_backwards_on_cpu_worker_lanes_are_refused_naming_the_fix():
+    from pipedp.pipeline.stream import new_lane
     from pipedp.pipeline.zero_bubble import zb_h1
 
-    with pytest.raises(ValueError, match="the schedule has I, W actions .* run gpipe or 1f1b"):
-        make(2, zb_h1, [])
+    cpu = torch.device("cpu")
+    stages = [Stage(i, Chain([Block(str(i), nn.Linear(4, 4))]), cpu, new_lane(cpu, f"w{i}", threads=1))
+              for i in range(2)]
+    try:
+        with pytest.raises(ValueError, match="runs one action at a time: give the stages no thread counts"):
+            Executor(stages, zb_h1(2, 2))
+    finally:
+        for st in stages:
+            st.lane.worker.close()
 
 
 def test_each_ranks_program_of_a_step_prints_a_line_a_rank():

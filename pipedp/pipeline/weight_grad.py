@@ -1,0 +1,153 @@
+"""Weight gradients held back from a backward, for a W action to compute later.
+
+A zero-bubble schedule splits a stage's backward into I (the input gradient,
+which the previous stage waits for) and W (the weight gradients, which only
+the optimizer waits for). The forward of a microbatch whose backward is split
+runs under :class:`Deferred`: each 2-D convolution and linear layer whose
+weight trains goes through a node whose backward makes only the input
+gradient and leaves a closure, with the output gradient and the saved input,
+in the microbatch's list; W runs those closures. Everything else (BatchNorm,
+other layers, parameters used outside these two ops) keeps its weight
+gradient in I, as a whole backward would.
+
+No module changes: the interception is a ``TorchFunctionMode`` around the
+forward, so the model is the user's, and a forward outside it (inference, a
+whole B) is plain. The kernels are torch's own (``aten.convolution_backward``
+with one output each, ``mm``), and accumulation is what ``AccumulateGrad``
+does, so a split step equals a whole one up to the order of additions.
+Hooks registered with ``register_post_accumulate_grad_hook`` are not called
+for the held-back parameters; the gradient sync is told through
+``notify``. Under autocast the ops are left to autograd (no split).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from .split_grad import accumulate_grad
+
+__all__ = ["Deferred", "run_deferred"]
+
+Closure = Callable[[Callable[[torch.Tensor], None]], None]  # takes notify(param) and accumulates
+
+
+class _HeldConv(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, anchor: torch.Tensor,  # type: ignore[override]
+                params: tuple[torch.Tensor, torch.Tensor | None], args: tuple, queue: list[Closure]) -> torch.Tensor:
+        # The parameters ride in a tuple, which autograd does not look into: they are not inputs of this node.
+        weight, bias = params
+        ctx.params, ctx.args, ctx.queue = params, args, queue
+        ctx.save_for_backward(x)
+        return torch.ops.aten.convolution(x, weight.detach(), None if bias is None else bias.detach(), *args)
+
+    @staticmethod
+    def backward(ctx: Any, go: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        weight, bias = ctx.params
+        w = weight.detach()
+        args = ctx.args
+
+        def later(notify: Callable[[torch.Tensor], None]) -> None:
+            sizes = list(bias.shape) if bias is not None else None
+            _, gw, gb = torch.ops.aten.convolution_backward(go, x, w, sizes, *args,
+                                                            [False, weight.requires_grad, _trains(bias)])
+            _accumulate(((weight, gw), (bias, gb)), notify)
+
+        ctx.queue.append(later)
+        gi = None
+        if ctx.needs_input_grad[0]:
+            gi = torch.ops.aten.convolution_backward(go, x, w, None, *args, [True, False, False])[0]
+        return gi, None, None, None, None
+
+
+class _HeldLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, anchor: torch.Tensor,  # type: ignore[override]
+                params: tuple[torch.Tensor, torch.Tensor | None], queue: list[Closure]) -> torch.Tensor:
+        weight, bias = params
+        ctx.params, ctx.queue = params, queue
+        ctx.save_for_backward(x)
+        return F.linear(x, weight.detach(), None if bias is None else bias.detach())
+
+    @staticmethod
+    def backward(ctx: Any, go: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        weight, bias = ctx.params
+        w = weight.detach()
+
+        def later(notify: Callable[[torch.Tensor], None]) -> None:
+            g2, x2 = go.reshape(-1, go.shape[-1]), x.reshape(-1, x.shape[-1])
+            gw = g2.t().mm(x2) if weight.requires_grad else None
+            gb = g2.sum(0) if _trains(bias) else None
+            _accumulate(((weight, gw), (bias, gb)), notify)
+
+        ctx.queue.append(later)
+        gi = go.matmul(w) if ctx.needs_input_grad[0] else None
+        return gi, None, None, None
+
+
+def _trains(p: torch.Tensor | None) -> bool:
+    return p is not None and p.requires_grad
+
+
+def _accumulate(pairs: tuple, notify: Callable[[torch.Tensor], None]) -> None:
+    for p, g in pairs:
+        if p is not None and g is not None:
+            accumulate_grad(p, g.to(p.dtype))
+            notify(p)
+
+
+def _param(t: object) -> bool:
+    return isinstance(t, nn.Parameter) and t.requires_grad
+
+
+class Deferred(TorchFunctionMode):
+    """Inside it, conv2d and linear ops on trained parameters hold their weight gradients in ``queue``."""
+
+    def __init__(self, queue: list[Closure], device: torch.device) -> None:
+        super().__init__()
+        self.queue = queue
+        # An empty leaf that requires grad: keeps the node in the graph where the input does not require grad.
+        self.anchor = torch.empty(0, device=device, requires_grad=True)
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if torch.is_grad_enabled() and not torch.is_autocast_enabled(self.anchor.device.type):
+            held = self._held(func, args, kwargs)
+            if held is not None:
+                return held
+        return func(*args, **kwargs)
+
+    def _held(self, func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
+        if func is F.linear or func is torch._C._nn.linear:
+            given = dict(zip(("input", "weight", "bias"), args), **kwargs)
+            x, weight, bias = given.get("input"), given.get("weight"), given.get("bias")
+            if _param(weight) and (bias is None or isinstance(bias, nn.Parameter)) and isinstance(x, torch.Tensor) \
+                    and x.dim() >= 2:
+                return _HeldLinear.apply(x, self.anchor, (weight, bias), self.queue)
+            return None
+        if func is F.conv2d or func is torch.conv2d:
+            names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+            given = dict(zip(names, args), **kwargs)
+            x, weight, bias = given.get("input"), given.get("weight"), given.get("bias")
+            padding = given.get("padding", 0)
+            if not _param(weight) or (bias is not None and not isinstance(bias, nn.Parameter)) or \
+                    isinstance(padding, str) or not isinstance(x, torch.Tensor) or x.dim() != 4:
+                return None
+            pair = torch.nn.modules.utils._pair
+            conv = (pair(given.get("stride", 1)), pair(padding), pair(given.get("dilation", 1)), False, [0, 0],
+                    int(given.get("groups", 1)))
+            return _HeldConv.apply(x, self.anchor, (weight, bias), conv, self.queue)
+        return None
+
+
+def run_deferred(queue: list[Closure], notify: Callable[[torch.Tensor], None]) -> None:
+    """Compute and accumulate the weight gradients held in ``queue`` (emptied), telling ``notify`` each one."""
+    while queue:
+        queue.pop(0)(notify)
