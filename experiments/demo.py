@@ -24,6 +24,7 @@ from torch import nn
 import pipedp
 from pipedp import console
 from pipedp.models import resnet18
+from pipedp.pipeline.schedule import SCHEDULES
 
 from .machine import describe, sync
 
@@ -50,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stages", default="2", help="number of stages, or 'auto'")
     p.add_argument("--microbatches", type=int, default=4, help="microbatches per pipedp step")
     p.add_argument("--lr", type=float, default=0.02, help="SGD learning rate (momentum 0.9), both sides")
-    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeline schedule")
+    p.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES), help="pipeline schedule")
     p.add_argument("--width", type=int, default=64, help="ResNet base width (64 is the real model)")
     p.add_argument("--windows", type=int, default=2, help="alternating timing windows per side")
     p.add_argument("--cuda-graph", action="store_true", help="capture pipedp's step as a CUDA graph")

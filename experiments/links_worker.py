@@ -28,8 +28,6 @@ import argparse
 import copy
 import functools
 from dataclasses import replace
-import json
-import os
 import statistics
 import time
 from typing import Any, Callable
@@ -44,6 +42,7 @@ from pipedp.decide.layout import Layout
 from pipedp.world import WorldChoice, window_ms
 
 from .paired import paired_ratio
+from .report import write_json
 
 Step = Callable[[torch.Tensor, torch.Tensor], object]
 LR, MOMENTUM = 0.01, 0.9
@@ -250,9 +249,7 @@ def main() -> None:
     try:
         results = [measure(name, args) for name in args.models.split(",")]
         if dist.get_rank() == 0:
-            with open(args.out + ".tmp", "w") as f:
-                json.dump(results, f, indent=1)
-            os.replace(args.out + ".tmp", args.out)
+            write_json(args.out, results)
     finally:
         dist.barrier()
         dist.destroy_process_group()

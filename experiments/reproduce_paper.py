@@ -32,6 +32,7 @@ from torch import nn
 import pipedp
 from pipedp import console
 from pipedp.models import MODELS
+from pipedp.pipeline.schedule import SCHEDULES
 
 from . import data as D
 from .machine import describe, sync
@@ -256,7 +257,7 @@ def _parser() -> argparse.ArgumentParser:
                    default=_Later(None, None, "pipedp's: your step's math, one microbatch for these BatchNorm models"),
                    help="microbatches per pipedp step")
     p.add_argument("--stages", default="auto", help="'auto' or a number of pipeline stages")
-    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeline schedule")
+    p.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES), help="pipeline schedule")
     p.add_argument("--kernels", default="auto", choices=["auto", "torch", "tvm"],
                    help="pipedp's depthwise-convolution kernels (pipedp.wrap's kernels=)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")

@@ -20,7 +20,7 @@ from .distributed import DEFAULT_TIMEOUT_S
 from .ops.swap import KERNEL_MODES
 from .partition.threads import ThreadsSpec, check_threads
 from .pipeline.gradsync import DEFAULT_BUCKET_BYTES
-from .pipeline.schedule import get_schedule
+from .pipeline.schedule import SPLIT, get_schedule
 from .decide.cut import StagesSpec
 
 if TYPE_CHECKING:
@@ -82,7 +82,9 @@ class PipelineOptions:
     """How the model is cut and run.
 
     ``stages``: ``"auto"``, a number of stages, or block counts per stage.
-    ``schedule``: ``"1f1b"`` (less activation memory) or ``"gpipe"``.
+    ``schedule``: ``"1f1b"`` (less activation memory), ``"gpipe"``, or ``"zb-h1"`` (1F1B with each
+    backward split into the input gradient and the weight gradients, which run where 1F1B would wait:
+    a smaller bubble between stages that run at once, at 1F1B's peak of activations).
     ``devices``: device(s) for the stages (default: the model's); several stages
     may share one CUDA device, each on its own stream. ``batchnorm``:
     ``"microbatch"`` (running statistics per microbatch, as GPipe) or
@@ -148,6 +150,9 @@ class PipelineOptions:
         object.__setattr__(self, "threads", check_threads(self.threads, self.stages))
         _microbatches(self.microbatches, self.stages)
         get_schedule(self.schedule)
+        if self.schedule in SPLIT and self.threads is not None:
+            raise ValueError(f"schedule={self.schedule!r} runs one action at a time on a CPU, and threads= runs "
+                             f"stages on thread teams at once: pass threads=None, or schedule='1f1b'")
         one_of("batchnorm", self.batchnorm, BATCHNORM_MODES)
         positive_int("depth", self.depth)
         non_negative_int("measure_steps", self.measure_steps)

@@ -48,6 +48,25 @@ def test_parameters_equal_plain_training(name, schedule, stages):
         assert max_diff(model, ref) <= TOL, (name, schedule, stages, microbatches)
 
 
+@pytest.mark.parametrize("stages", [2, 3])
+def test_zero_bubble_equals_plain_training_on_torchvision_and_pipedp_resnets(stages):
+    from tests.stock import torchvision_models
+
+    models = {"resnet18": MODELS["resnet18"], "torchvision resnet18": lambda: torchvision_models().resnet18(
+        num_classes=10)}
+    for name, make in models.items():
+        torch.manual_seed(0)
+        model = make()
+        ref = clone(model)
+        batches = data(n=10, size=8 if name == "resnet18" else 32, steps=2, seed=1)
+        engine = engine_for(model, microbatches=4, stages=stages, schedule="zb-h1")
+        for x, y in batches:
+            engine.train_step(x, y)
+        assert "I" in engine.program and "W" in engine.program
+        plain_steps(ref, batches, microbatches=4)
+        assert max_diff(model, ref) <= TOL, (name, stages)
+
+
 def test_loss_is_the_batch_mean_and_stays_on_device():
     torch.manual_seed(0)
     model = sequential_cnn()

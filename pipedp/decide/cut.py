@@ -19,6 +19,7 @@ import torch
 from ..partition.balance import balance
 from ..partition.profile import BlockProfile
 from ..pipeline import microbatch
+from ..pipeline.deps import action_ms
 from ..pipeline.schedule import Action, get_schedule
 from ..pipeline.simulate import Simulation, simulate
 from ..plan import Plan, StagePlan
@@ -74,7 +75,7 @@ def stage_times(profiles: Sequence[BlockProfile], counts: Sequence[int]) -> tupl
 def action_durations(fwd: Sequence[float], bwd: Sequence[float], overhead_ms: float = 0.0) \
         -> Callable[[int, Action], float]:
     """Duration of each schedule action from per-stage forward and backward times (for the simulator)."""
-    return lambda s, a: (fwd[s] if a.kind == "F" else bwd[s]) + overhead_ms
+    return lambda s, a: action_ms(a.kind, fwd[s], bwd[s]) + overhead_ms
 
 
 def _serial(device: torch.device) -> bool:

@@ -192,8 +192,8 @@ def predict(costs: BlockCosts, layout: Layout, global_batch: int, link: Link, *,
                    transfer=lambda s, a: cross[s] if a.kind == "F" else cross[s - 1])
     last = {}
     for slot in sim.slots:
-        if slot.action.kind == "B":
-            last[slot.stage] = slot  # slots are in start order: the last one seen is the stage's last backward
+        if slot.action.kind in ("B", "W"):
+            last[slot.stage] = slot  # slots are in start order: the last one seen is the stage's last accumulation
     total = sum(b.param_bytes for b in blocks) or 1
     end, sync, exposed, carried = sim.makespan, 0.0, 0.0, 0.0
     start = 0

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ..pipeline.cpu_lane import CpuWorker, available_cores
+from ..pipeline.deps import action_ms
 from ..pipeline.schedule import get_schedule
 from ..pipeline.simulate import simulate
 from .blocks import Block
@@ -239,7 +240,7 @@ def predict(curves: Sequence[ThreadCurve], plan: CpuPlan, schedule: str, host_th
     fwd, bwd = _stage_ms(curves, plan.counts, threads, scale)
     concurrent = plan.threads is not None
     sim = simulate(get_schedule(schedule)(len(plan.counts), plan.microbatches),
-                   duration=lambda s, act: fwd[s] if act.kind == "F" else bwd[s],
+                   duration=lambda s, act: action_ms(act.kind, fwd[s], bwd[s]),
                    resources=None if concurrent else [0] * len(plan.counts))
     return sim.makespan, [f + b for f, b in zip(fwd, bwd)]
 
@@ -467,5 +468,5 @@ def concurrent_times(profiles: Sequence[BlockProfile], counts: Sequence[int], sc
         bwd.append(sum(p.backward_ms for p in profiles[start : start + k]))
         start += k
     sim = simulate(get_schedule(schedule)(len(counts), microbatches),
-                   duration=lambda s, act: fwd[s] if act.kind == "F" else bwd[s])
+                   duration=lambda s, act: action_ms(act.kind, fwd[s], bwd[s]))
     return [f + b for f, b in zip(fwd, bwd)], sim.makespan

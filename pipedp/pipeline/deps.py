@@ -18,9 +18,23 @@ from typing import Iterable, Sequence
 
 from .schedule import Action
 
-__all__ = ["BACKWARD", "grad_kinds", "needs", "peaks", "sends"]
+__all__ = ["BACKWARD", "I_SHARE", "action_ms", "grad_kinds", "needs", "peaks", "sends"]
 
 BACKWARD = ("B", "I")  # the actions that make a stage's input gradient
+# The input gradient's share of a split backward, for predictions: a convolution's or linear layer's two
+# gradients cost about one forward each, and the rest of a CNN's backward (BatchNorm, activations) is small.
+I_SHARE = 0.5
+
+
+def action_ms(kind: str, forward_ms: float, backward_ms: float) -> float:
+    """An action's time from its stage's forward and whole-backward times (I and W split the backward)."""
+    if kind == "F":
+        return forward_ms
+    if kind == "I":
+        return backward_ms * I_SHARE
+    if kind == "W":
+        return backward_ms * (1.0 - I_SHARE)
+    return backward_ms
 
 
 def grad_kinds(per_stage: Iterable[tuple[int, Action]]) -> set[tuple[int, int]]:

@@ -447,7 +447,7 @@ class _Step:
             self.inputs[s][i] = inp
         if timer is not None:
             timer.begin(lane)
-        if self.loss_fn is not None and (s, i) in ex.split:
+        if self.loss_fn is not None and (s, i) in ex.split and stage.body is None:  # compiled or recomputed: whole
             with Deferred(self.held.setdefault((s, i), []), stage.device):
                 out = stage(inp)
         else:

@@ -16,7 +16,8 @@ __all__ = ["Action", "Schedule", "gpipe", "one_f_one_b", "forward_only", "SCHEDU
 
 
 class Action(NamedTuple):
-    """One unit of stage work: the forward ("F") or backward ("B") of a microbatch."""
+    """One unit of stage work on a microbatch: its forward ("F") and backward, whole ("B") or split into the
+    input gradient ("I") and the weight gradients ("W")."""
 
     kind: str
     microbatch: int
@@ -73,7 +74,14 @@ def forward_only(stages: int, microbatches: int) -> Schedule:
     return [[Action("F", i) for i in range(microbatches)] for _ in range(stages)]
 
 
-SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
+def _zb_h1(stages: int, microbatches: int) -> Schedule:
+    from .zero_bubble import zb_h1  # it builds on Action and Schedule, defined here
+
+    return zb_h1(stages, microbatches)
+
+
+SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": _zb_h1}
+SPLIT = ("zb-h1",)  # the schedules whose backwards run as I and W
 
 
 def get_schedule(name: str) -> Callable[[int, int], Schedule]:

@@ -1,0 +1,25 @@
+"""bench_schedules on two gloo ranks: every schedule timed beside 1F1B, its prediction and its program kept."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from tests.multiproc import run
+
+
+def _measure(rank: int, world: int) -> dict:
+    from experiments.bench_schedules import measure
+
+    args = argparse.Namespace(schedules="1f1b,zb-h1", batch=8, microbatches=2, rounds=1, steps=1)
+    return measure("resnet18", args)
+
+
+@pytest.mark.slow
+def test_each_schedule_is_timed_against_the_first_and_predicted():
+    r, _ = run(_measure, 2, timeout_s=300)
+    assert set(r["ms"]) == {"1f1b", "zb-h1"} and r["vs_first"]["1f1b"] == 1.0
+    assert all(v > 0 for v in r["ms"].values()) and len(r["counts"]) == 2
+    assert r["predicted_idle"]["zb-h1"] < r["predicted_idle"]["1f1b"]
+    assert "I0" in r["program"]["zb-h1"] and "I0" not in r["program"]["1f1b"]
