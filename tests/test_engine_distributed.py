@@ -191,6 +191,7 @@ def _dead_rank(rank: int, world: int, path: str, mode: str) -> dict:
     return {"message": str(err.value), "seconds": time.monotonic() - t0, "ckpt": torch.load(path, weights_only=True)}
 
 
+@pytest.mark.slow  # each waits out a timeout (6-11 s): the slow run keeps the default suite short
 @pytest.mark.parametrize("mode", ["dies", "hangs"])
 def test_a_dead_or_hung_rank_fails_the_others_in_bounded_time(tmp_path, mode):
     path = str(tmp_path / "ckpt.pt")
@@ -221,6 +222,7 @@ def _hang_in_wrap(rank: int, world: int, phase: str) -> dict:
     return {"error": None}
 
 
+@pytest.mark.slow  # each waits out a timeout (about 9 s)
 @pytest.mark.parametrize("phase, hung", [("comparing the model", 1), ("sharing the first rank's plan", 0)])
 def test_a_hung_rank_fails_wrap_within_the_timeout(phase, hung):
     results = multiproc.run(_hang_in_wrap, 2, phase, expect_dead={hung}, timeout_s=60)

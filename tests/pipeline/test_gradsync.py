@@ -148,6 +148,7 @@ def _mixed_case(rank: int, world: int) -> dict:
             "buckets": len(sync.buckets)}
 
 
+@pytest.mark.slow  # a process world; the one-path cases above stay in the default run
 def test_slots_divided_on_the_way_in_and_at_the_launch_average_alike():
     res = multiproc.run(_mixed_case, 2)
     torch.manual_seed(0)
