@@ -1,10 +1,14 @@
 """Benchmark: pipeline schedules over pipeline ranks, step against 1F1B's, in alternating windows.
 
-Each rank of a ``torchrun`` world holds one stage (``pp`` = world size, gloo
-on a CPU); every schedule trains its own copy of one seeded model on the same
-global batch, and the windows alternate between them. Also the simulator's
-idle fraction of each schedule on the plan's own stage times (forward 1 :
-backward 2 of each), beside the measured step.
+Every rank of a ``torchrun`` world is a pipeline rank (``pp`` = world size,
+gloo on a CPU): one stage per rank, or ``--per-rank`` stages spread round the
+ranks for ``interleaved``. Every schedule trains its own copy of one seeded
+model on the same global batch, and the windows alternate between them; the
+row ``dp`` is data parallelism over the same ranks, each taking its share of
+the batch, for the pipeline's other alternative. Beside each measured step:
+the simulator's idle fraction on the plan's own stage times (forward 1 :
+backward 2 of each), and the measured one, from the stages' busy time in the
+steps the engine times.
 
     torchrun --nproc-per-node 2 -m experiments.bench_schedules --models resnet18 --out schedules.json
 """
@@ -24,8 +28,8 @@ from torch import nn
 
 import pipedp
 from pipedp.decide.cut import action_durations
-from pipedp.pipeline.schedule import get_schedule
-from pipedp.pipeline.simulate import simulate
+from pipedp.pipeline.orders import PER_RANK, simulate_schedule
+from pipedp.pipeline.simulate import Simulation
 from pipedp.world import window_ms
 
 from .machine import describe
@@ -35,11 +39,34 @@ from .report import write_json
 CPU = torch.device("cpu")
 
 
-def _engine(model: nn.Module, schedule: str, microbatches: int, sample: torch.Tensor) -> pipedp.Engine:
+def _engine(model: nn.Module, schedule: str, args: argparse.Namespace, sample: torch.Tensor) -> pipedp.Engine:
+    ranks = dist.get_world_size()
+    if schedule == "dp":
+        layout = dict(pp=1, stages=1, microbatches=1)
+    else:
+        per_rank = args.per_rank if schedule in PER_RANK else 1
+        layout = dict(pp=ranks, stages=per_rank * ranks, microbatches=args.microbatches, schedule=schedule)
     return pipedp.wrap(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
-                       loss_fn=nn.CrossEntropyLoss(), pp=dist.get_world_size(), stages=dist.get_world_size(),
-                       microbatches=microbatches, schedule=schedule, sample=sample, progress=False,
-                       plan_cache=False)
+                       loss_fn=nn.CrossEntropyLoss(), sample=sample, progress=False, plan_cache=False,
+                       measure_steps=args.rounds * args.steps, **layout)
+
+
+def _predicted(engine: pipedp.Engine, schedule: str, microbatches: int) -> Simulation:
+    """The simulated step on the plan's stage times: each stage's planned ms of a microbatch, split forward 1 :
+    backward 2 (the plan keeps only the sum)."""
+    plan = engine.plan
+    fwd = [st.predicted_ms / 3 for st in plan.stages]
+    bwd = [2 * st.predicted_ms / 3 for st in plan.stages]
+    return simulate_schedule(schedule, len(fwd), microbatches, dist.get_world_size(),
+                             duration=action_durations(fwd, bwd))
+
+
+def _measured_idle(engine: pipedp.Engine, microbatches: int, step_ms: float) -> float:
+    """1 - the ranks' mean busy time over the step: each rank's stages' measured ms of a microbatch, summed."""
+    busy = sum(st.measured_ms or 0.0 for st in engine.plan.stages) * microbatches
+    every: list[float] = [0.0] * dist.get_world_size()
+    dist.all_gather_object(every, busy)
+    return 1.0 - statistics.mean(every) / step_ms
 
 
 def measure(name: str, args: argparse.Namespace) -> dict:
@@ -49,32 +76,36 @@ def measure(name: str, args: argparse.Namespace) -> dict:
     base = get_model(name, num_classes=10)
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(args.batch, 3, 32, 32, generator=g), torch.randint(0, 10, (args.batch,), generator=g)
-    engines = {s: _engine(copy.deepcopy(base), s, args.microbatches, x) for s in args.schedules.split(",")}
-    for e in engines.values():
-        e.train_step(x, y)
+    share = slice(dist.get_rank() * args.batch // dist.get_world_size(),
+                  (dist.get_rank() + 1) * args.batch // dist.get_world_size())
+    batches = {k: (x[share], y[share]) if k == "dp" else (x, y) for k in args.schedules.split(",")}
+    engines = {k: _engine(copy.deepcopy(base), k, args, xb) for k, (xb, _) in batches.items()}
+    for k, e in engines.items():
+        e.train_step(*batches[k])
     windows: dict[str, list[float]] = {k: [] for k in engines}
     for r in range(args.rounds):
         for k in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
-            windows[k].append(window_ms(functools.partial(engines[k].train_step, x, y), CPU, args.steps))
+            windows[k].append(window_ms(functools.partial(engines[k].train_step, *batches[k]), CPU, args.steps))
     first = next(iter(engines))
-    plan = engines[first].plan
-    # Each stage's planned ms of a microbatch, split forward 1 : backward 2 (the plan keeps only the sum).
-    fwd = [st.predicted_ms / 3 for st in plan.stages]
-    bwd = [2 * st.predicted_ms / 3 for st in plan.stages]
-    predicted = {k: simulate(get_schedule(k)(len(fwd), args.microbatches), duration=action_durations(fwd, bwd))
-                 for k in engines}
-    return {"model": name, "global_batch": args.batch, "microbatches": args.microbatches, "counts": plan.counts,
-            "ms": {k: statistics.median(v) for k, v in windows.items()}, "windows_ms": windows,
+    ms = {k: statistics.median(v) for k, v in windows.items()}
+    pipes = [k for k in engines if k != "dp"]
+    predicted = {k: _predicted(engines[k], k, args.microbatches) for k in pipes}
+    return {"model": name, "global_batch": args.batch, "microbatches": args.microbatches,
+            "counts": {k: list(engines[k].plan.counts) for k in engines},
+            "ms": ms, "windows_ms": windows,
             "vs_first": {k: paired_ratio(windows[first], v) for k, v in windows.items()},
             "predicted_idle": {k: p.bubble for k, p in predicted.items()},
+            "measured_idle": {k: _measured_idle(engines[k], args.microbatches, ms[k]) for k in pipes},
             "predicted_ms": {k: p.makespan for k, p in predicted.items()},
-            "program": {k: e.program for k, e in engines.items()}}
+            "program": {k: engines[k].program for k in pipes}}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="resnet18")
-    p.add_argument("--schedules", default="1f1b,zb-h1,gpipe", help="comma list; ratios against the first")
+    p.add_argument("--schedules", default="1f1b,zb-h1,interleaved,gpipe,dp",
+                   help="comma list; ratios against the first (dp: data parallelism over the same ranks)")
+    p.add_argument("--per-rank", type=int, default=2, help="stages per rank of an interleaved pipeline")
     p.add_argument("--batch", type=int, default=64, help="global batch per step")
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--rounds", type=int, default=5)

@@ -21,7 +21,7 @@ from .pipeline.cpu_lane import core_sets
 from .pipeline.executor import Executor, tensors_in
 from .pipeline.p2p import Transport
 from .pipeline.recompute import Recompute
-from .pipeline.schedule import get_schedule
+from .pipeline.orders import per_stage, rank_orders
 from .pipeline.stage import Stage
 from .pipeline.stream import new_lane
 
@@ -156,7 +156,7 @@ def make_executor(
     ``reuse``: the stages a trial made for the same cut (compiled ones keep their compiled code).
     """
     training = training if training is not None else TrainingOptions()
-    places = stage_places(len(counts), devices, comm.pp)
+    places = stage_places(len(counts), devices, comm.pp, options.schedule)
     stages, start = list(reuse or []), 0
     pins = core_sets(threads) if threads is not None else [None] * len(counts)
     for s, k in enumerate(counts if reuse is None else []):
@@ -168,10 +168,11 @@ def make_executor(
             stages.append(_dress(stage, training, options.cuda_graph, compile))
         start += k
     duration = action_durations(*stage_times(profiles, counts)) if profiles is not None else None
-    schedule = get_schedule(options.schedule)(len(counts), microbatches)
+    orders = rank_orders(options.schedule, len(counts), microbatches, comm.pp, duration=duration)
+    schedule = per_stage(orders, len(counts))
     transport = comm.transport(devices[0], step)
     stage_rank = comm.stage_ranks([r for r, _ in places])
     if stage_rank is None:
-        return Executor(stages, schedule, duration=duration), None
+        return Executor(stages, schedule, duration=duration, orders=orders), None
     return Executor(stages, schedule, duration=duration, stage_rank=stage_rank, rank=comm.rank,
-                    transport=transport), transport
+                    transport=transport, orders=orders), transport

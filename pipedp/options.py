@@ -20,7 +20,8 @@ from .distributed import DEFAULT_TIMEOUT_S
 from .ops.swap import KERNEL_MODES
 from .partition.threads import ThreadsSpec, check_threads
 from .pipeline.gradsync import DEFAULT_BUCKET_BYTES
-from .pipeline.schedule import SPLIT, get_schedule
+from .pipeline.orders import PER_RANK, check_schedule
+from .pipeline.schedule import SPLIT
 from .decide.cut import StagesSpec
 
 if TYPE_CHECKING:
@@ -84,7 +85,10 @@ class PipelineOptions:
     ``stages``: ``"auto"``, a number of stages, or block counts per stage.
     ``schedule``: ``"1f1b"`` (less activation memory), ``"gpipe"``, or ``"zb-h1"`` (1F1B with each
     backward split into the input gradient and the weight gradients, which run where 1F1B would wait:
-    a smaller bubble between stages that run at once, at 1F1B's peak of activations).
+    a smaller bubble between stages that run at once, at 1F1B's peak of activations), or ``"interleaved"``
+    (Interleaved 1F1B over pipeline ranks: each rank holds several stages spread along the model, stage s on
+    rank s mod pp, so the fill and drain shrink by that many times at as many more messages; ``stages`` a
+    multiple of pp, ``"auto"`` choosing how many per rank, and microbatches a multiple of pp).
     ``devices``: device(s) for the stages (default: the model's); several stages
     may share one CUDA device, each on its own stream. ``batchnorm``:
     ``"microbatch"`` (running statistics per microbatch, as GPipe) or
@@ -149,8 +153,8 @@ class PipelineOptions:
         _stages(self.stages)
         object.__setattr__(self, "threads", check_threads(self.threads, self.stages))
         _microbatches(self.microbatches, self.stages)
-        get_schedule(self.schedule)
-        if self.schedule in SPLIT and self.threads is not None:
+        check_schedule(self.schedule)
+        if self.schedule in (*SPLIT, *PER_RANK) and self.threads is not None:
             raise ValueError(f"schedule={self.schedule!r} runs one action at a time on a CPU, and threads= runs "
                              f"stages on thread teams at once: pass threads=None, or schedule='1f1b'")
         one_of("batchnorm", self.batchnorm, BATCHNORM_MODES)

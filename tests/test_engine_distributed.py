@@ -53,6 +53,7 @@ CASES = [  # (model, pp, stages, microbatches, schedule)
     ("resnet18", 2, 4, 2, "gpipe"),
     ("resnet18", 2, 2, 4, "1f1b"),
     ("two_paths", 2, [2, 3], 2, "gpipe"),  # the ranks pass the two branches, a tuple of tensors, both ways
+    ("resnet18", 2, 4, 2, "interleaved"),  # stages 0 and 2 on rank 0, 1 and 3 on rank 1
 ]
 
 
@@ -113,7 +114,8 @@ def test_two_processes_equal_single_process_global_batch():
 
 @pytest.mark.slow  # tens of seconds on 2 cores: the slow run (CI runs it) keeps the default suite short
 def test_four_processes_dp_and_dp_x_pp():
-    cases = [("sequential", 1, 2, 2, "1f1b"), ("resnet18", 2, 2, 2, "1f1b"), ("two_paths", 2, [2, 3], 2, "1f1b")]
+    cases = [("sequential", 1, 2, 2, "1f1b"), ("resnet18", 2, 2, 2, "1f1b"), ("two_paths", 2, [2, 3], 2, "1f1b"),
+             ("resnet18", 4, 8, 4, "interleaved"), ("two_paths", 2, 4, 2, "interleaved")]
     results = multiproc.run(_train_cases, 4, cases)
     _check_cases(results, 4, cases)
 

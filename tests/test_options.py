@@ -17,6 +17,8 @@ from pipedp import ConcurrencyOptions, DataParallelOptions, KernelOptions, Pipel
     (dict(stages=0), "stages must be a positive int"),
     (dict(stages=True), "stages must be an int"),
     (dict(schedule="zigzag"), "unknown schedule 'zigzag'"),
+    (dict(schedule="interleaved", stages=2, threads=[1, 1]), "pass threads=None, or schedule='1f1b'"),
+    (dict(schedule="zb-h1", stages=2, threads=[1, 1]), "pass threads=None, or schedule='1f1b'"),
     (dict(batchnorm="sync"), "batchnorm must be one of"),
     (dict(depth=0), "depth must be a positive int"),
     (dict(measure_steps=-1), "measure_steps must be an int >= 0"),

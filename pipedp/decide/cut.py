@@ -20,8 +20,9 @@ from ..partition.balance import balance
 from ..partition.profile import BlockProfile
 from ..pipeline import microbatch
 from ..pipeline.deps import action_ms
-from ..pipeline.schedule import Action, get_schedule
-from ..pipeline.simulate import Simulation, simulate
+from ..pipeline.orders import PER_RANK, placement, simulate_schedule
+from ..pipeline.schedule import Action
+from ..pipeline.simulate import Simulation
 from ..plan import Plan, StagePlan
 from .decision import Decision
 
@@ -36,6 +37,7 @@ ACTION_OVERHEAD_MS = 0.05  # host work per action (events, bookkeeping), a rough
 LINK_BYTES_PER_S = 20e9  # nominal device-to-device bandwidth for transfer costs
 MAX_AUTO_STAGES = 8
 MAX_TRIAL_STAGES = 4
+MAX_PER_RANK = 4  # the most stages per rank an interleaved pipeline is cut into by stages="auto"
 AUTO_MICROBATCHES = (1, 2, 4, 8)  # the microbatch counts trials try when the caller leaves the choice to the planner
 _MiB = float(1 << 20)
 
@@ -46,11 +48,18 @@ def stage_devices(stages: int, devices: Sequence[torch.device]) -> list[torch.de
     return [devices[s * d // stages] if stages >= d else devices[s] for s in range(stages)]
 
 
-def stage_places(stages: int, devices: Sequence[torch.device], ranks: int = 1) -> list[tuple[int, torch.device]]:
-    """(pipeline rank, device) of each stage: ``stages // ranks`` contiguous stages per rank."""
-    k = stages // ranks
-    local = stage_devices(k, devices)
-    return [(s // k, local[s % k]) for s in range(stages)]
+def stage_places(stages: int, devices: Sequence[torch.device], ranks: int = 1, schedule: str = "1f1b"
+                 ) -> list[tuple[int, torch.device]]:
+    """(pipeline rank, device) of each stage: ``stages // ranks`` stages per rank, placed as the schedule
+    places them (consecutive, or interleaved), each rank's spread over its ``devices`` in order."""
+    rank_of = placement(schedule, stages, ranks)
+    local = stage_devices(stages // ranks, devices)
+    seen: dict[int, int] = {}
+    out = []
+    for r in rank_of:
+        out.append((r, local[seen.get(r, 0)]))
+        seen[r] = seen.get(r, 0) + 1
+    return out
 
 
 def _transfer_ms(profiles: Sequence[BlockProfile]) -> list[float]:
@@ -92,7 +101,7 @@ def simulate_plan(
     ranks: int = 1,
 ) -> Simulation:
     """Simulated step of the cut ``counts`` with per-stage times from the profiles."""
-    devs = stage_places(len(counts), devices, ranks)
+    devs = stage_places(len(counts), devices, ranks, schedule)
     fwd, bwd = stage_times(profiles, counts)
     ends = [sum(counts[: s + 1]) - 1 for s in range(len(counts))]
     for s in range(len(counts) - 1):
@@ -103,7 +112,7 @@ def simulate_plan(
     duration = action_durations(fwd, bwd, ACTION_OVERHEAD_MS)
     keys = [f"{r}/{d}" if _serial(d) else f"{r}/{d}/stream{s}" for s, (r, d) in enumerate(devs)]
     resources = [keys.index(k) for k in keys]
-    return simulate(get_schedule(schedule)(len(counts), microbatches), duration=duration, resources=resources)
+    return simulate_schedule(schedule, len(counts), microbatches, ranks, duration=duration, resources=resources)
 
 
 def resolve_counts(
@@ -126,10 +135,12 @@ def resolve_counts(
             raise ValueError(f"stages must be an int, 'auto' or a list of block counts, got {stages!r}")
         if ranks == 1:
             return _auto(profiles, devices, microbatches, schedule)
+        if schedule in PER_RANK:
+            return _auto_per_rank(profiles, devices, microbatches, schedule, ranks)
         stages = ranks
     if isinstance(stages, int) and not isinstance(stages, bool):
         _check_ranks(stages, ranks, n)
-        places = stage_places(stages, devices, ranks) if stages >= 1 else []
+        places = stage_places(stages, devices, ranks, schedule) if stages >= 1 else []
         transfer = _transfer_ms(profiles) if len(set(places)) == stages > 1 else None
         return balance(costs, stages, transfer=transfer), []
     try:
@@ -176,6 +187,22 @@ def _auto(
     return best[1], notes
 
 
+def _auto_per_rank(profiles: Sequence[BlockProfile], devices: Sequence[torch.device], microbatches: int,
+                   schedule: str, ranks: int) -> tuple[list[int], list[str]]:
+    """An interleaved pipeline's stages per rank: the count whose simulated step (shorter fill and drain
+    against one more message and action per extra stage) is fastest, at most :data:`MAX_PER_RANK`."""
+    costs = [p.cost_ms for p in profiles]
+    best: tuple[float, int, list[int]] | None = None
+    for v in range(1, min(MAX_PER_RANK, len(profiles) // ranks) + 1):
+        counts = balance(costs, v * ranks, transfer=_transfer_ms(profiles))
+        ms = simulate_plan(profiles, counts, devices, microbatches, schedule, ranks).makespan
+        if best is None or ms < best[0] - 1e-9:
+            best = (ms, v, counts)
+    assert best is not None
+    return best[2], [f"stages=auto, {schedule}: {best[1]} stage(s) per pipeline rank, the fastest simulated step "
+                     f"of 1 to {MAX_PER_RANK}"]
+
+
 def untimed_microbatches(stages: int, batch: int) -> int:
     """``microbatches="auto"`` where no trials run (CPU, several devices, pipeline ranks).
 
@@ -205,7 +232,7 @@ def build_plan(
     """The printable plan of ``decision``: stages with their blocks, devices and predicted costs."""
     counts, microbatches = decision.counts, decision.microbatches
     sim = simulate_plan(profiles, counts, devices, microbatches, schedule, ranks)
-    places = stage_places(len(counts), devices, ranks)
+    places = stage_places(len(counts), devices, ranks, schedule)
     stages = []
     for s, group in enumerate(_per_stage(profiles, counts)):
         r, dev = places[s]

@@ -44,8 +44,7 @@ import torch
 from ..partition.balance import balance
 from ..partition.profile import BlockProfile
 from ..pipeline.microbatch import MIN_SAMPLES
-from ..pipeline.schedule import get_schedule
-from ..pipeline.simulate import simulate
+from ..pipeline.orders import PER_RANK, simulate_schedule
 from .cut import ACTION_OVERHEAD_MS, action_durations, stage_times
 from .links import Link, allreduce_s, p2p_s
 
@@ -187,9 +186,9 @@ def predict(costs: BlockCosts, layout: Layout, global_batch: int, link: Link, *,
         cross.append(t)
         worst_p2p = max(worst_p2p, 2 * t)
         hop_bytes = max(hop_bytes, 2.0 * blocks[ends[s]].output_bytes * layout.microbatches)
-    sim = simulate(get_schedule(layout.schedule)(layout.pp, layout.microbatches),
-                   duration=action_durations(fwd, bwd, overhead_ms),
-                   transfer=lambda s, a: cross[s] if a.kind == "F" else cross[s - 1])
+    sim = simulate_schedule(layout.schedule, layout.pp, layout.microbatches, layout.pp,
+                            duration=action_durations(fwd, bwd, overhead_ms),
+                            transfer=lambda s, a: cross[s] if a.kind == "F" else cross[s - 1])
     last = {}
     for slot in sim.slots:
         if slot.action.kind in ("B", "W"):
@@ -252,6 +251,8 @@ def layouts(blocks: Sequence[BlockProfile] | BlockCosts, ranks: int, global_batc
                 cuts += [hop_aware_cut(at, pp, hop, 1.0)] if hop is not None else []
             for counts in dict.fromkeys(cuts):
                 for sched in (schedules if pp > 1 else ("1f1b",)):
+                    if sched in PER_RANK and m % pp:  # its forwards go round the ranks in groups of pp
+                        continue
                     for wire in (reduce_dtypes if dp > 1 else (None,)):
                         out.append(Layout(dp, counts, m, sched, wire))
     return out

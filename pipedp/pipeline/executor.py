@@ -26,7 +26,7 @@ from .ahead import Ahead
 from .cpu_lane import Flight
 from .deps import grad_kinds, needs
 from .p2p import Transport
-from .ranks import check_programs, format_program, rank_programs
+from .ranks import check_programs, format_program, lower_programs, rank_programs
 from .schedule import Action, Schedule, forward_only
 from .simulate import simulate
 from .stage import Stage
@@ -120,7 +120,10 @@ class Executor:
     ``stages`` are this rank's stages (``Stage.index`` is the global index);
     ``schedule`` covers all of them. Without ``stage_rank`` every stage is
     local; with it, ``stage_rank[s]`` is the global rank running stage s and
-    ``transport`` moves values to and from the other ranks.
+    ``transport`` moves values to and from the other ranks. ``orders``: each
+    rank's (stage, action) pairs in the order it runs them, where a rank
+    interleaves its stages (:mod:`.orders`); by default the simulator's start
+    order of ``schedule``.
     """
 
     def __init__(
@@ -132,6 +135,7 @@ class Executor:
         stage_rank: Sequence[int] | None = None,
         rank: int = 0,
         transport: Transport | None = None,
+        orders: Sequence[Sequence[tuple[int, Action]]] | None = None,
     ) -> None:
         self.stages = sorted(stages, key=lambda st: st.index)
         self.n = n = len(schedule)
@@ -151,14 +155,15 @@ class Executor:
         # Backwards split into I and W (zero-bubble schedules): their forwards hold the weight gradients back.
         self.split = grad_kinds((s, a) for s, acts in enumerate(schedule) for a in acts)
         self.microbatches = len({a.microbatch for a in schedule[0]})
-        train = simulate(schedule, duration=duration).order
+        compute = _by_rank(simulate(schedule, duration=duration).order if orders is None else
+                           _checked(orders, schedule), self.stage_rank)
         infer = simulate(forward_only(n, self.microbatches), training=False, duration=duration).order
         # Every rank's program of a training step (compute, sends, receives), checked where stages span ranks.
-        self.programs = rank_programs(train, self.stage_rank)
+        self.programs = lower_programs(compute, self.stage_rank)
         if len(set(self.stage_rank)) > 1:
             check_programs(self.programs)
             check_programs(rank_programs(infer, self.stage_rank))
-        self.train_order = [(s, a) for s, a in train if s in mine]
+        self.train_order = list(compute[rank])
         self.infer_order = [(s, a) for s, a in infer if s in mine]
         self.last_backward = {s: [a for a in schedule[s] if a.kind in ("B", "W")][-1].microbatch for s in mine}
         self._fewer: dict[int, tuple[list[tuple[int, Action]], list[tuple[int, Action]], dict[int, int]]] = {}
@@ -351,6 +356,29 @@ class Executor:
             for t in tensors_in(o):
                 cur.keep(t)
         return result
+
+
+def _checked(orders: Sequence[Sequence[tuple[int, Action]]], schedule: Schedule) -> list[tuple[int, Action]]:
+    """The ranks' orders one after another, once they are checked to run each stage's actions as ``schedule``."""
+    got: Schedule = [[] for _ in schedule]
+    for prog in orders:
+        for s, a in prog:
+            if not 0 <= s < len(got):
+                raise ValueError(f"an order runs {a} of stage {s}, but the schedule has {len(got)} stages")
+            got[s].append(a)
+    for s, (mine, want) in enumerate(zip(got, schedule)):
+        if mine != want:
+            raise ValueError(f"the orders run stage {s}'s actions as {' '.join(map(str, mine))}, the schedule as "
+                             f"{' '.join(map(str, want))}")
+    return [x for prog in orders for x in prog]
+
+
+def _by_rank(order: Sequence[tuple[int, Action]], stage_rank: Sequence[int]) -> dict[int, list[tuple[int, Action]]]:
+    """Each rank's (stage, action) pairs, in ``order``."""
+    out: dict[int, list[tuple[int, Action]]] = {r: [] for r in dict.fromkeys(stage_rank)}
+    for s, a in order:
+        out[stage_rank[s]].append((s, a))
+    return out
 
 
 class GradSyncLike(Protocol):

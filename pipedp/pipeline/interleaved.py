@@ -19,9 +19,7 @@ from __future__ import annotations
 from ..checks import positive_int
 from .schedule import Action
 
-__all__ = ["interleaved", "interleaved_placement", "RankProgram"]
-
-RankProgram = list[tuple[int, Action]]  # (stage, action) in the order the rank runs them
+__all__ = ["interleaved", "interleaved_placement"]
 
 
 def interleaved_placement(ranks: int, per_rank: int) -> list[int]:
@@ -31,7 +29,7 @@ def interleaved_placement(ranks: int, per_rank: int) -> list[int]:
     return [s % ranks for s in range(ranks * per_rank)]
 
 
-def interleaved(ranks: int, per_rank: int, microbatches: int) -> list[RankProgram]:
+def interleaved(ranks: int, per_rank: int, microbatches: int) -> list[list[tuple[int, Action]]]:
     """Each rank's program of Interleaved 1F1B over ``ranks * per_rank`` stages (a multiple of ``ranks``
     microbatches: the forwards go round the ranks in groups of ``ranks``)."""
     p, v, m = positive_int("ranks", ranks), positive_int("per_rank", per_rank), positive_int("microbatches",
@@ -52,7 +50,7 @@ def interleaved(ranks: int, per_rank: int, microbatches: int) -> list[RankProgra
         # next stage, which waits for the whole round); one as in 1F1B where they do not (v = 1 is 1F1B).
         lead = (p - r - 1) * (2 if v > 1 else 1) + (v - 1) * p
         warmup = total if m == p and v > 1 else min(lead, total)
-        prog: RankProgram = []
+        prog: list[tuple[int, Action]] = []  # (stage, action) in the order the rank runs them
 
         def add(k: int, kind: str) -> None:
             chunk, mb = unit(k, kind == "F")

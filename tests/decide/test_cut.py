@@ -78,3 +78,22 @@ def test_pipeline_ranks_get_contiguous_stages_and_overlap():
     for bad in (3, [1, 1, 2]):
         with pytest.raises(ValueError, match="multiple of 2"):
             resolve_counts(profs, bad, [CPU], 4, "1f1b", ranks=2)
+
+
+def test_an_interleaved_pipeline_places_stage_s_on_rank_s_mod_pp():
+    devs = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert stage_places(4, [CPU], 2, "interleaved") == [(0, CPU), (1, CPU), (0, CPU), (1, CPU)]
+    assert stage_places(8, devs, 2, "interleaved") == [(s % 2, devs[s // 4]) for s in range(8)]
+    plan = build_plan(profiles([1] * 4), Decision(Config((1, 1, 1, 1), 2)), [CPU], microbatch_size=2,
+                      schedule="interleaved", batchnorm="microbatch", source="cost model", ranks=2)
+    assert [s.device for s in plan.stages] == ["pp0:cpu", "pp1:cpu", "pp0:cpu", "pp1:cpu"]
+
+
+def test_auto_stages_of_an_interleaved_pipeline_weigh_the_shorter_fill_against_the_messages():
+    counts, notes = resolve_counts(profiles([1.0] * 16), "auto", [CPU], 4, "interleaved", ranks=2)
+    assert len(counts) in (4, 6, 8) and sum(counts) == 16 and "stage(s) per pipeline rank" in notes[0]
+    four = simulate_plan(profiles([1.0] * 16), counts, [CPU], 4, "interleaved", ranks=2).makespan
+    assert four < simulate_plan(profiles([1.0] * 16), [8, 8], [CPU], 4, "1f1b", ranks=2).makespan
+    # An activation that takes a second to cross: one stage per rank, the fewest crossings.
+    heavy = [BlockProfile(f"b{i}", 1 / 3, 2 / 3, 10**10, 4000, 100) for i in range(16)]
+    assert len(resolve_counts(heavy, "auto", [CPU], 4, "interleaved", ranks=2)[0]) == 2

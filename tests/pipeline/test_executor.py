@@ -161,3 +161,30 @@ def test_split_backwards_on_cpu_worker_lanes_are_refused_naming_the_fix():
 def test_each_ranks_program_of_a_step_prints_a_line_a_rank():
     ex, _ = make(2, one_f_one_b, [])  # 3 microbatches, both stages here
     assert ex.program_text() == "rank 0: 0F0 0F1 1F0 1B0 0B0 1F1 1B1 0F2 0B1 1F2 1B2 0B2"
+
+
+def test_an_interleaved_order_runs_a_ranks_stages_together_and_equals_1f1b():
+    from pipedp.pipeline.orders import per_stage, rank_orders
+
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    loss = lambda out, t: (out - t).pow(2).mean()  # noqa: E731
+    grads = {}
+    for name in ("1f1b", "interleaved"):
+        torch.manual_seed(0)
+        layers = [nn.Linear(4, 4) for _ in range(4)]
+        stages = [Stage(i, Chain([Block(str(i), layers[i])]), torch.device("cpu"), LoggingLane(f"L{i}", []))
+                  for i in range(4)]
+        orders = rank_orders(name, 4, 4)  # one rank: its four stages in the schedule's order
+        ex = Executor(stages, per_stage(orders, 4), orders=orders)
+        ex.train(list(x.split(2)), list(y.split(2)), [0.25] * 4, loss)
+        assert ex.train_order == orders[0]
+        grads[name] = [p.grad for m in layers for p in m.parameters()]
+    assert all(torch.allclose(a, b, atol=1e-7) for a, b in zip(grads["1f1b"], grads["interleaved"]))
+
+
+def test_orders_that_run_a_stage_otherwise_than_the_schedule_are_refused():
+    log = []
+    ex, _ = make(2, one_f_one_b, log)
+    orders = [[(s, a) for s, acts in enumerate(gpipe(2, 3)) for a in acts]]
+    with pytest.raises(ValueError, match="the orders run stage 0's actions as F0 F1 F2 B0 B1 B2, the schedule as"):
+        Executor(ex.stages, one_f_one_b(2, 3), orders=orders)
