@@ -24,7 +24,7 @@ from torch import nn
 import pipedp
 from pipedp import console
 from pipedp.models import resnet18
-from pipedp.pipeline.schedule import SCHEDULES
+from pipedp.pipeline.orders import NAMES as SCHEDULES
 
 from .machine import describe, sync
 

@@ -32,7 +32,7 @@ from torch import nn
 import pipedp
 from pipedp import console
 from pipedp.models import MODELS
-from pipedp.pipeline.schedule import SCHEDULES
+from pipedp.pipeline.orders import NAMES as SCHEDULES
 
 from . import data as D
 from .machine import describe, sync

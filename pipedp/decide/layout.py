@@ -44,6 +44,7 @@ import torch
 from ..partition.balance import balance
 from ..partition.profile import BlockProfile
 from ..pipeline.microbatch import MIN_SAMPLES
+from ..pipeline.deps import ACCUMULATES
 from ..pipeline.orders import PER_RANK, simulate_schedule
 from .cut import ACTION_OVERHEAD_MS, action_durations, stage_times
 from .links import Link, allreduce_s, p2p_s
@@ -191,7 +192,7 @@ def predict(costs: BlockCosts, layout: Layout, global_batch: int, link: Link, *,
                             transfer=lambda s, a: cross[s] if a.kind == "F" else cross[s - 1])
     last = {}
     for slot in sim.slots:
-        if slot.action.kind in ("B", "W"):
+        if slot.action.kind in ACCUMULATES:
             last[slot.stage] = slot  # slots are in start order: the last one seen is the stage's last accumulation
     total = sum(b.param_bytes for b in blocks) or 1
     end, sync, exposed, carried = sim.makespan, 0.0, 0.0, 0.0

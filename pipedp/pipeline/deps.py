@@ -18,9 +18,10 @@ from typing import Iterable, Sequence
 
 from .schedule import Action
 
-__all__ = ["BACKWARD", "I_SHARE", "action_ms", "grad_kinds", "needs", "peaks", "sends"]
+__all__ = ["ACCUMULATES", "BACKWARD", "I_SHARE", "action_ms", "grad_kinds", "needs", "peaks", "sends"]
 
 BACKWARD = ("B", "I")  # the actions that make a stage's input gradient
+ACCUMULATES = ("B", "W")  # the actions that finish a microbatch's weight gradients (and free its activations)
 # The input gradient's share of a split backward, for predictions: a convolution's or linear layer's two
 # gradients cost about one forward each, and the rest of a CNN's backward (BatchNorm, activations) is small.
 I_SHARE = 0.5
@@ -73,7 +74,7 @@ def peaks(per_stage: Sequence[Sequence[Action]]) -> tuple[int, ...]:
     for acts in per_stage:
         live = peak = 0
         for a in acts:
-            live += 1 if a.kind == "F" else -1 if a.kind in ("B", "W") else 0
+            live += 1 if a.kind == "F" else -1 if a.kind in ACCUMULATES else 0
             peak = max(peak, live)
         out.append(peak)
     return tuple(out)

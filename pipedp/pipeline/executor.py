@@ -24,7 +24,7 @@ from ..device import canonical_device
 from ..partition.boundary import Value, is_value, leaf, map_tensors, tensors
 from .ahead import Ahead
 from .cpu_lane import Flight
-from .deps import grad_kinds, needs
+from .deps import ACCUMULATES, grad_kinds, needs
 from .p2p import Transport
 from .ranks import check_programs, format_program, lower_programs, rank_programs
 from .schedule import Action, Schedule, forward_only
@@ -32,7 +32,7 @@ from .simulate import simulate
 from .stage import Stage
 from .stream import Lane, current_lane, new_lane
 from .trace import Clock
-from .weight_grad import Deferred, run_deferred
+from .weight_grad import Deferred, anchor, run_deferred
 
 __all__ = ["Executor", "StepTimer", "tensors_in"]
 
@@ -165,7 +165,7 @@ class Executor:
             check_programs(rank_programs(infer, self.stage_rank))
         self.train_order = list(compute[rank])
         self.infer_order = [(s, a) for s, a in infer if s in mine]
-        self.last_backward = {s: [a for a in schedule[s] if a.kind in ("B", "W")][-1].microbatch for s in mine}
+        self.last_backward = {s: [a for a in schedule[s] if a.kind in ACCUMULATES][-1].microbatch for s in mine}
         self._fewer: dict[int, tuple[list[tuple[int, Action]], list[tuple[int, Action]], dict[int, int]]] = {}
         self.is_first, self.is_last = 0 in mine, n - 1 in mine
         # With their indices: _move compares them with tensors' devices and looks copy lanes up by them.
@@ -179,6 +179,8 @@ class Executor:
             raise ValueError("CPU worker lanes need every stage on the CPU of this process (no pipeline ranks): "
                              "give every stage a thread count, or none")
         self.workers = all(workers) and bool(workers)
+        # The leaf each device's held weight-gradient nodes hang from, where backwards are split.
+        self.anchors = {d: anchor(d) for d in self.devices} if self.split else {}
         if self.split and self.workers:
             raise ValueError("a schedule with split backwards (I and W) runs one action at a time: give the stages "
                              "no thread counts of their own, or run gpipe or 1f1b")
@@ -297,7 +299,7 @@ class Executor:
         if k not in self._fewer:
             train = [(s, a) for s, a in self.train_order if a.microbatch < k]
             infer = [(s, a) for s, a in self.infer_order if a.microbatch < k]
-            self._fewer[k] = train, infer, {s: a.microbatch for s, a in train if a.kind in ("B", "W")}
+            self._fewer[k] = train, infer, {s: a.microbatch for s, a in train if a.kind in ACCUMULATES}
         return self._fewer[k]
 
     # -- training -------------------------------------------------------------------------------
@@ -476,7 +478,7 @@ class _Step:
         if timer is not None:
             timer.begin(lane)
         if self.loss_fn is not None and (s, i) in ex.split and stage.body is None:  # compiled or recomputed: whole
-            with Deferred(self.held.setdefault((s, i), []), stage.device):
+            with Deferred(self.held.setdefault((s, i), []), ex.anchors[canonical_device(stage.device)]):
                 out = stage(inp)
         else:
             out = stage(inp)

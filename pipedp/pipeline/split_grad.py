@@ -43,7 +43,7 @@ from .side import SideLanes
 from .stage import Stage
 from .stream import Lane, current_lane
 
-__all__ = ["SplitGradConv2d", "SplitGrads", "split_grads", "accumulate_grad"]
+__all__ = ["SplitGradConv2d", "SplitGrads", "split_grads", "accumulate_grad", "weight_grads"]
 
 _ATTR = "_pipedp_split"
 
@@ -133,14 +133,16 @@ class _SplitConv(torch.autograd.Function):
         if want_w or want_b:
             side = owner.sides.current(go.device)
             if side is None:  # not on a stage's stream: everything in order here
-                _weight_grads(go, x, w, conv_args, weight if want_w else None, bias if want_b else None, owner)
+                weight_grads(go, x, w, conv_args, weight if want_w else None, bias if want_b else None,
+                             owner.accumulated)
             else:
                 cur = current_lane(go.device)
                 side.wait(cur.record())  # grad_output and the saved input are ready here
                 for t in (go, x, w):
                     side.keep(t)  # read on the side lane after autograd drops them
                 with side.use():
-                    _weight_grads(go, x, w, conv_args, weight if want_w else None, bias if want_b else None, owner)
+                    weight_grads(go, x, w, conv_args, weight if want_w else None, bias if want_b else None,
+                                 owner.accumulated)
         gi = None
         if ctx.needs_input_grad[0]:
             gi = torch.ops.aten.convolution_backward(go, x, w, None, *conv_args, [True, False, False])[0]
@@ -148,16 +150,17 @@ class _SplitConv(torch.autograd.Function):
         return gi, None, None, None, None, None
 
 
-def _weight_grads(go: torch.Tensor, x: torch.Tensor, w: torch.Tensor, conv_args: tuple, weight: torch.Tensor | None,
-                  bias: torch.Tensor | None, owner: SplitGrads) -> None:
-    """Weight and bias gradients accumulated into ``.grad`` on the current stream, then announced."""
+def weight_grads(go: torch.Tensor, x: torch.Tensor, w: torch.Tensor, conv_args: tuple, weight: torch.Tensor | None,
+                 bias: torch.Tensor | None, notify: Callable[[torch.Tensor], None]) -> None:
+    """A convolution's weight and bias gradients accumulated into ``.grad`` on the current stream, each then
+    announced to ``notify``."""
     sizes = list(bias.shape) if bias is not None else None
     _, gw, gb = torch.ops.aten.convolution_backward(go, x, w, sizes, *conv_args,
                                                     [False, weight is not None, bias is not None])
     for p, g in ((weight, gw), (bias, gb)):
         if p is not None:
             accumulate_grad(p, g.to(p.dtype))
-            owner.accumulated(p)
+            notify(p)
 
 
 class SplitGradConv2d(nn.Conv2d):

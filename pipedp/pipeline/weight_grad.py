@@ -29,9 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .split_grad import accumulate_grad
+from .split_grad import accumulate_grad, weight_grads
 
-__all__ = ["Deferred", "run_deferred"]
+__all__ = ["Deferred", "anchor", "run_deferred"]
 
 Closure = Callable[[Callable[[torch.Tensor], None]], None]  # takes notify(param) and accumulates
 
@@ -54,10 +54,8 @@ class _HeldConv(torch.autograd.Function):
         args = ctx.args
 
         def later(notify: Callable[[torch.Tensor], None]) -> None:
-            sizes = list(bias.shape) if bias is not None else None
-            _, gw, gb = torch.ops.aten.convolution_backward(go, x, w, sizes, *args,
-                                                            [False, weight.requires_grad, _trains(bias)])
-            _accumulate(((weight, gw), (bias, gb)), notify)
+            weight_grads(go, x, w, args, weight if weight.requires_grad else None, bias if _trains(bias) else None,
+                         notify)
 
         ctx.queue.append(later)
         gi = None
@@ -85,7 +83,10 @@ class _HeldLinear(torch.autograd.Function):
             g2, x2 = go.reshape(-1, go.shape[-1]), x.reshape(-1, x.shape[-1])
             gw = g2.t().mm(x2) if weight.requires_grad else None
             gb = g2.sum(0) if _trains(bias) else None
-            _accumulate(((weight, gw), (bias, gb)), notify)
+            for p, g in ((weight, gw), (bias, gb)):
+                if p is not None and g is not None:
+                    accumulate_grad(p, g.to(p.dtype))
+                    notify(p)
 
         ctx.queue.append(later)
         gi = go.matmul(w) if ctx.needs_input_grad[0] else None
@@ -96,13 +97,6 @@ def _trains(p: torch.Tensor | None) -> bool:
     return p is not None and p.requires_grad
 
 
-def _accumulate(pairs: tuple, notify: Callable[[torch.Tensor], None]) -> None:
-    for p, g in pairs:
-        if p is not None and g is not None:
-            accumulate_grad(p, g.to(p.dtype))
-            notify(p)
-
-
 def _param(t: object) -> bool:
     return isinstance(t, nn.Parameter) and t.requires_grad
 
@@ -110,11 +104,11 @@ def _param(t: object) -> bool:
 class Deferred(TorchFunctionMode):
     """Inside it, conv2d and linear ops on trained parameters hold their weight gradients in ``queue``."""
 
-    def __init__(self, queue: list[Closure], device: torch.device) -> None:
+    def __init__(self, queue: list[Closure], anchor: torch.Tensor) -> None:
         super().__init__()
         self.queue = queue
-        # An empty leaf that requires grad: keeps the node in the graph where the input does not require grad.
-        self.anchor = torch.empty(0, device=device, requires_grad=True)
+        # An empty leaf that requires grad (:func:`anchor`): keeps the node in the graph where the input does not.
+        self.anchor = anchor
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -147,7 +141,13 @@ class Deferred(TorchFunctionMode):
         return None
 
 
+def anchor(device: torch.device) -> torch.Tensor:
+    """The leaf a device's held nodes hang from (no gradient ever reaches it): one per device serves every step."""
+    return torch.empty(0, device=device, requires_grad=True)
+
+
 def run_deferred(queue: list[Closure], notify: Callable[[torch.Tensor], None]) -> None:
     """Compute and accumulate the weight gradients held in ``queue`` (emptied), telling ``notify`` each one."""
-    while queue:
-        queue.pop(0)(notify)
+    for later in queue:
+        later(notify)
+    queue.clear()

@@ -9,7 +9,7 @@ from pipedp.pipeline.executor import Executor
 from pipedp.pipeline.schedule import one_f_one_b
 from pipedp.pipeline.stage import Stage
 from pipedp.pipeline.stream import new_lane
-from pipedp.pipeline.weight_grad import Deferred, run_deferred
+from pipedp.pipeline.weight_grad import Deferred, anchor, run_deferred
 from pipedp.pipeline.zero_bubble import zb_h1
 
 CPU = torch.device("cpu")
@@ -32,7 +32,7 @@ def test_convolutions_and_linears_hold_their_weight_gradients_until_w():
     x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(1))
     ref(x).square().mean().backward()
     queue: list = []
-    with Deferred(queue, CPU):
+    with Deferred(queue, anchor(CPU)):
         out = held(x)
     out.square().mean().backward()
     convs_linears = [m for m in held if isinstance(m, (nn.Conv2d, nn.Linear))]
@@ -49,9 +49,9 @@ def test_convolutions_and_linears_hold_their_weight_gradients_until_w():
 def test_outside_training_or_under_autocast_nothing_is_held():
     model, queue = _model(), []
     x = torch.randn(2, 3, 8, 8)
-    with Deferred(queue, CPU), torch.no_grad():
+    with Deferred(queue, anchor(CPU)), torch.no_grad():
         model(x)
-    with Deferred(queue, CPU), torch.autocast("cpu", dtype=torch.bfloat16):
+    with Deferred(queue, anchor(CPU)), torch.autocast("cpu", dtype=torch.bfloat16):
         model(x).float().sum().backward()
     assert queue == [] and model[0].weight.grad is not None
 
