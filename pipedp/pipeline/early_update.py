@@ -33,6 +33,7 @@ from typing import Iterator, Protocol, Sequence
 
 import torch
 
+from .deps import ACCUMULATES
 from .schedule import Action
 from .stage import Stage
 from .stream import Lane, current_lane, new_lane
@@ -86,7 +87,7 @@ class EarlyUpdate:
                  train_order: Sequence[tuple[int, Action]], wait_lanes: dict[int, list[Lane]] | None = None) -> None:
         self.optimizer = optimizer
         self.stages = sorted(stages, key=lambda st: st.index)
-        last = {s: k for k, (s, a) in enumerate(train_order) if a.kind == "B"}  # the last backward's position
+        last = {s: k for k, (s, a) in enumerate(train_order) if a.kind in ACCUMULATES}  # the last accumulation's
         owner: dict[int, int] = {}  # parameter id -> the stage position whose last backward comes last
         for pos, st in enumerate(self.stages):
             for p in st.chain.parameters():

@@ -1,42 +1,41 @@
-"""Walks a schedule's actions, issuing each stage's work on that stage's lane.
+"""Runs this rank's program of a step, issuing each action on its stage's lane.
 
-The host issues actions in the order the simulator gives (by simulated start
-time), and every cross-lane dependency is an event: a stage's forward waits for
-the previous stage's forward of the same microbatch, its backward for the next
-stage's backward. Activations cross a stage boundary detached, as a fresh leaf
-that requires grad; its ``.grad`` after the next stage's backward is the
-gradient sent back. Nothing here synchronises the host, so a step stays
-asynchronous on CUDA. On devices without streams every lane is the in-order
-stand-in and the same code runs sequentially, unless the lanes have CPU
-workers: then each action is queued to its stage's worker, to start once the
-action it depends on (as above) is done, and the step waits for all of them
-at its end (:mod:`~pipedp.pipeline.cpu_lane`).
+The program (:mod:`.ranks`) is this rank's actions in the order the simulator
+gives (by simulated start time) or the schedule's per-rank order, with the
+messages between ranks and each stage's REDUCE_GRAD and UPDATE; the
+interpreter (:mod:`.interpreter`) runs each action. Every cross-lane
+dependency is an event: a stage's forward waits for the previous stage's
+forward of the same microbatch, its backward for the next stage's backward.
+Nothing here synchronises the host, so a step stays asynchronous on CUDA. On
+devices without streams every lane is the in-order stand-in and the same code
+runs sequentially, unless the lanes have CPU workers: then each action is
+queued to its stage's worker, to start once the action it depends on (as
+above) is done, and the step waits for all of them at its end
+(:mod:`~pipedp.pipeline.cpu_lane`).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from ..device import canonical_device
-from ..partition.boundary import Value, is_value, leaf, map_tensors, tensors
 from .ahead import Ahead
 from .cpu_lane import Flight
 from .deps import ACCUMULATES, grad_kinds, needs
+from .interpreter import GradSyncLike, LossFn, StageUpdateLike, StepRun
 from .p2p import Transport
-from .ranks import check_programs, format_program, lower_programs, rank_programs
+from .ranks import COMPUTE, Op, check_programs, close_stages, format_program, lower_programs, rank_programs
 from .schedule import Action, Schedule, forward_only
 from .simulate import simulate
 from .stage import Stage
 from .stream import Lane, current_lane, new_lane
 from .trace import Clock
-from .weight_grad import Deferred, anchor, run_deferred
+from .weight_grad import anchor
 
-__all__ = ["Executor", "StepTimer", "tensors_in"]
-
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+__all__ = ["Executor", "StepTimer", "tensors_in", "GradSyncLike", "StageUpdateLike", "LossFn"]
 
 
 class StepTimer:
@@ -93,19 +92,6 @@ class StepTimer:
         return out
 
 
-def _loss_error(loss: object) -> str | None:
-    if not isinstance(loss, torch.Tensor):
-        return f"loss_fn returned {type(loss).__name__}; it must return a scalar tensor"
-    if loss.dim() != 0:
-        return (
-            f"loss_fn returned a tensor of shape {tuple(loss.shape)}; it must return a scalar "
-            f"(use a mean reduction, e.g. nn.CrossEntropyLoss(reduction='mean'))"
-        )
-    if not loss.requires_grad:
-        return "loss_fn returned a scalar that does not require grad: no parameter of the model takes part in it"
-    return None
-
-
 def tensors_in(out: Any) -> list[torch.Tensor]:
     """The tensors inside a stage's output (a tensor, or tuples, lists and dicts of them)."""
     if isinstance(out, torch.Tensor):
@@ -158,8 +144,9 @@ class Executor:
         compute = _by_rank(simulate(schedule, duration=duration).order if orders is None else
                            _checked(orders, schedule), self.stage_rank)
         infer = simulate(forward_only(n, self.microbatches), training=False, duration=duration).order
-        # Every rank's program of a training step (compute, sends, receives), checked where stages span ranks.
-        self.programs = lower_programs(compute, self.stage_rank)
+        # Every rank's program of a training step (compute, messages, each stage's close), checked where stages
+        # span ranks; this rank runs its own.
+        self.programs = {r: close_stages(ops) for r, ops in lower_programs(compute, self.stage_rank).items()}
         if len(set(self.stage_rank)) > 1:
             check_programs(self.programs)
             check_programs(rank_programs(infer, self.stage_rank))
@@ -167,6 +154,7 @@ class Executor:
         self.infer_order = [(s, a) for s, a in infer if s in mine]
         self.last_backward = {s: [a for a in schedule[s] if a.kind in ACCUMULATES][-1].microbatch for s in mine}
         self._fewer: dict[int, tuple[list[tuple[int, Action]], list[tuple[int, Action]], dict[int, int]]] = {}
+        self._lowered: dict[tuple[int, bool], list[Op]] = {}
         self.is_first, self.is_last = 0 in mine, n - 1 in mine
         # With their indices: _move compares them with tensors' devices and looks copy lanes up by them.
         self.devices = list(dict.fromkeys(canonical_device(s.device) for s in self.stages))
@@ -180,7 +168,7 @@ class Executor:
                              "give every stage a thread count, or none")
         self.workers = all(workers) and bool(workers)
         # The leaf each device's held weight-gradient nodes hang from, where backwards are split.
-        self.anchors = {d: anchor(d) for d in self.devices} if self.split else {}
+        self._anchors = {d: anchor(d) for d in self.devices} if self.split else {}
         if self.split and self.workers:
             raise ValueError("a schedule with split backwards (I and W) runs one action at a time: give the stages "
                              "no thread counts of their own, or run gpipe or 1f1b")
@@ -190,6 +178,10 @@ class Executor:
         return "\n".join(f"rank {r}: {format_program(ops)}" for r, ops in sorted(self.programs.items()))
 
     # -- plumbing ---------------------------------------------------------------------------------
+    def anchor_of(self, device: torch.device) -> torch.Tensor:
+        """The leaf the held weight-gradient nodes of ``device`` hang from (:mod:`.weight_grad`)."""
+        return self._anchors[canonical_device(device)]
+
     def _fork(self) -> None:
         """Every lane starts after what the caller issued before the step.
 
@@ -237,49 +229,41 @@ class Executor:
         copy.keep(t)
         return out
 
-    def _act(self, s: int, act: Action, step: "_Step", sync: GradSyncLike | None,
-             update: StageUpdateLike | None, last_backward: dict[int, int]) -> None:
-        with self.local[s].lane.use():
-            if act.kind == "F":
-                step.forward(s, act.microbatch)
-                return
-            # The stage's last accumulation: its last B, or its last W where backwards are split. A split stage
-            # launches its buckets once that W is done (its I's accumulate some gradients, its W's the rest).
-            last = act.kind != "I" and act.microbatch == last_backward[s]
-            if last and sync is not None and act.kind == "B":
-                sync.arm(self.pos[s])
-            if act.kind == "W":
-                step.weight_grads(s, act.microbatch, sync)
-            else:
-                step.backward(s, act.microbatch, act.kind)
-            if last and sync is not None:
-                sync.finish(self.pos[s])
-            if last and update is not None:
-                update.stage_done(self.pos[s])
+    def program(self, k: int, training: bool = True) -> list[Op]:
+        """This rank's program of a step of ``k`` microbatches: its actions in order with the messages between
+        ranks and, training, each stage's REDUCE_GRAD and UPDATE (:mod:`.ranks`)."""
+        key = (k, training)
+        if key not in self._lowered:
+            train, infer, _ = self.orders(k)
+            ops = lower_programs({self.rank: train if training else infer}, self.stage_rank)[self.rank]
+            self._lowered[key] = close_stages(ops) if training else ops
+        return self._lowered[key]
 
-    def _run(self, order: list[tuple[int, Action]], last: dict[int, int], step: "_Step",
-             sync: GradSyncLike | None = None, update: StageUpdateLike | None = None) -> None:
+    def _run(self, program: list[Op], order: list[tuple[int, Action]], step: StepRun) -> None:
+        """Run this rank's ``program``: one thread, its actions in order, posting the receives still to come
+        ahead; or each action queued to its stage's CPU worker, to start once what it needs from the other
+        stages is done."""
         self._fork()
         if self.workers:
             flight = Flight()
-            for s, act in order:
-                after = [d for d in needs(s, act, self.n) if d[0] != s]  # the lane keeps its own stage's order
-                flight.submit(self.local[s].lane.worker, (s, act),
-                              lambda s=s, act=act: self._act(s, act, step, sync, update, last),
-                              after=after, label=f"stage {s} ({self.local[s].names[-1]}), {act}")
+            for op in program:
+                after = [Op(a.kind, d, a.microbatch) for d, a in needs(op.stage, Action(op.kind, op.microbatch),
+                                                                        self.n)
+                         if d != op.stage] if op.kind in COMPUTE else []  # a worker keeps its own stage's order
+                flight.submit(self.local[op.stage].lane.worker, op, lambda op=op: step.run(op), after=after,
+                              label=f"stage {op.stage} ({self.local[op.stage].names[-1]}), {op}")
             flight.wait()
         else:
-            # One thread issues this rank's actions: the receives still to come can be posted ahead, in order.
             ahead = step.ahead = Ahead(order, step) if self.transport is not None and \
                 self.transport.posts_ahead else None
-            for s, act in order:
+            for op in program:
                 if ahead is not None:
                     ahead.fill()
-                self._act(s, act, step, sync, update, last)
+                step.run(op)
         if self.transport is not None:
             self.transport.flush()
-        if update is not None:
-            update.join()
+        if step.update is not None:
+            step.update.join()
         self._join()
 
     def orders(self, k: int) -> tuple[list[tuple[int, Action]], list[tuple[int, Action]], dict[int, int]]:
@@ -333,8 +317,9 @@ class Executor:
             raise ValueError(f"got {len(xs)} inputs, {len(ys)} targets and {len(weights)} weights: one each per "
                              f"microbatch")
         order, _, last = self.orders(len(xs))
-        step = _Step(self, xs, ys, weights, loss_fn, timer, loss_scale, divisor)
-        self._run(order, last, step, sync, update)
+        step = StepRun(self, xs, ys, weights, loss_fn, timer, loss_scale, divisor, last=last, sync=sync,
+                       update=update)
+        self._run(self.program(len(xs)), order, step)
         if step.total is not None:
             current_lane(self.stages[-1].device).keep(step.total)
         return step.total
@@ -347,9 +332,9 @@ class Executor:
         return what ``loss_fn`` takes (a tuple, a dict; see
         :func:`~pipedp.pipeline.microbatch.gather`).
         """
-        _, order, last = self.orders(len(xs))
-        step = _Step(self, xs, None, None, None, None)
-        self._run(order, last, step)
+        _, order, _ = self.orders(len(xs))
+        step = StepRun(self, xs, None, None, None, None)
+        self._run(self.program(len(xs), training=False), order, step)
         if not self.is_last:
             return []
         cur = current_lane(self.stages[-1].device)
@@ -381,187 +366,3 @@ def _by_rank(order: Sequence[tuple[int, Action]], stage_rank: Sequence[int]) -> 
     for s, a in order:
         out[stage_rank[s]].append((s, a))
     return out
-
-
-class GradSyncLike(Protocol):
-    def arm(self, stage: int) -> None: ...
-
-    def accumulated(self, p: torch.Tensor) -> None: ...
-
-    def finish(self, stage: int) -> None: ...
-
-
-class StageUpdateLike(Protocol):
-    def stage_done(self, stage: int) -> None: ...
-
-    def join(self) -> None: ...
-
-
-class _Step:
-    """The in-flight tensors and events of one step (training when ``loss_fn`` is given)."""
-
-    def __init__(self, ex: Executor, xs, ys, weights, loss_fn: LossFn | None, timer: StepTimer | None,
-                 loss_scale: torch.Tensor | None = None, divisor: int = 1) -> None:
-        n, m = ex.n, len(xs)
-        self.ex, self.xs, self.ys, self.weights, self.loss_fn, self.timer = ex, xs, ys, weights, loss_fn, timer
-        self.loss_scale, self.divisor = loss_scale, divisor
-        self.inputs: list[list[Value | None]] = [[None] * m for _ in range(n)]
-        self.outputs: list[list[Any]] = [[None] * m for _ in range(n)]  # the last stage's: what loss_fn takes
-        self.losses: list[torch.Tensor | None] = [None] * m
-        self.fwd_ev: list[list] = [[None] * m for _ in range(n)]
-        self.bwd_ev: list[list] = [[None] * m for _ in range(n)]
-        self.total: torch.Tensor | None = None
-        # Both sides of a rank boundary derive message keys from the same input signature.
-        self.keys = [(tuple(x.shape), x.dtype, loss_fn is not None) for x in xs]
-        self.ahead: Ahead | None = None  # the receives posted ahead, where one thread issues the actions
-        self.held: dict[tuple[int, int], list] = {}  # (stage, microbatch): weight gradients its W computes
-
-    def _peer(self, s: int) -> int:
-        return self.ex.stage_rank[s]
-
-    def peer_of(self, s: int, act: Action) -> int | None:
-        """The rank ``act`` of stage ``s`` receives from: the previous stage's for a forward, the next one's for a
-        backward, where that stage is on another rank."""
-        if act.kind == "W":  # a stage's own weight gradients: nothing comes in
-            return None
-        other = s - 1 if act.kind == "F" else s + 1
-        return self._peer(other) if 0 <= other < self.ex.n and other not in self.ex.local else None
-
-    def post(self, s: int, act: Action) -> bool | None:
-        """Post the receive of ``act`` of stage ``s`` now, where its sizes are known (:class:`Ahead`)."""
-        transport, peer, i = self.ex.transport, self.peer_of(s, act), act.microbatch
-        assert transport is not None and peer is not None
-        if act.kind == "F":
-            key = (s - 1, self.keys[i])
-            if not transport.knows(key):
-                return False
-            transport.post_activation(peer, key)
-            return True
-        out = self.outputs[s][i]
-        if out is None:  # its forward has not run: the gradients' sizes are not known
-            return False
-        outs = [t for t in tensors(out) if t.requires_grad]
-        if not outs:
-            return None
-        transport.post_grads(outs, peer, (s, i))
-        return True
-
-    def _posted(self, s: int, act: Action) -> bool:
-        """Whether the receive of ``act`` was posted ahead; after this the next ones may be."""
-        return self.ahead is not None and self.ahead.take(s, act)
-
-    def _refill(self) -> None:
-        if self.ahead is not None:
-            self.ahead.fill()  # while this action computes, the next transfers cross
-
-    def forward(self, s: int, i: int) -> None:
-        ex, timer = self.ex, self.timer
-        stage = ex.local[s]
-        lane = stage.lane
-        if s == 0:
-            inp = ex._move(self.xs[i], None, self.xs[i].device, lane)
-        elif s - 1 in ex.local:
-            prev = self.outputs[s - 1][i]
-            assert prev is not None
-            src, ready = ex.local[s - 1].device, self.fwd_ev[s - 1][i]
-            inp = leaf(map_tensors(prev, lambda t: ex._move(t.detach(), ready, src, lane)),
-                       [t.requires_grad for t in tensors(prev)])
-            if self.loss_fn is None:  # inference keeps nothing for a backward
-                self.outputs[s - 1][i] = None
-        else:
-            assert ex.transport is not None
-            posted = self._posted(s, Action("F", i))
-            inp = ex.transport.recv_activation(self._peer(s - 1), (s - 1, self.keys[i]), posted=posted)
-            self._refill()
-        if self.loss_fn is not None:
-            self.inputs[s][i] = inp
-        if timer is not None:
-            timer.begin(lane)
-        if self.loss_fn is not None and (s, i) in ex.split and stage.body is None:  # compiled or recomputed: whole
-            with Deferred(self.held.setdefault((s, i), []), ex.anchors[canonical_device(stage.device)]):
-                out = stage(inp)
-        else:
-            out = stage(inp)
-        if s == ex.n - 1 and self.loss_fn is not None:
-            with stage.precision():  # the loss under autocast too, as in plain autocast training
-                loss = self.loss_fn(out, ex._move(self.ys[i], None, self.ys[i].device, lane))
-            err = _loss_error(loss)
-            if err:
-                raise ValueError(err)
-            loss = loss * self.weights[i]
-            self.total = loss.detach() if self.total is None else self.total + loss.detach()
-            if self.divisor != 1:
-                loss = loss / self.divisor
-            if self.loss_scale is not None:
-                loss = loss * self.loss_scale.to(loss.device, non_blocking=True)
-            self.losses[i] = loss
-        else:
-            if not is_value(out) and s < ex.n - 1:  # the last stage's output leaves the pipeline
-                raise ValueError(f"stage {s} ({stage.names[-1]}) returned {type(out).__name__}, not a tensor or a "
-                                 f"tuple of tensors")
-            self.outputs[s][i] = out
-            if s + 1 < ex.n and s + 1 not in ex.local:
-                assert ex.transport is not None
-                ex.transport.send_activation(out, self._peer(s + 1), (s, self.keys[i]))
-        if timer is not None:
-            timer.end(ex.pos[s], lane, f"F{i}")
-        self.fwd_ev[s][i] = lane.record()
-
-    def weight_grads(self, s: int, i: int, sync: GradSyncLike | None) -> None:
-        """W: the weight gradients microbatch ``i``'s I held back on stage ``s``, accumulated now."""
-        lane = self.ex.local[s].lane
-        if self.timer is not None:
-            self.timer.begin(lane)
-        run_deferred(self.held.pop((s, i), []), sync.accumulated if sync is not None else lambda p: None)
-        if self.timer is not None:
-            self.timer.end(self.ex.pos[s], lane, f"W{i}")
-
-    def backward(self, s: int, i: int, kind: str = "B") -> None:
-        """B, or I where the weight gradients were held back (its forward ran under :class:`Deferred`)."""
-        ex, timer = self.ex, self.timer
-        stage = ex.local[s]
-        lane = stage.lane
-        # Backward runs outside autocast (autograd replays the forward's dtypes).
-        with torch.autocast(stage.device.type, enabled=False):
-            if s == ex.n - 1:
-                loss, self.losses[i] = self.losses[i], None
-                assert loss is not None
-                if timer is not None:
-                    timer.begin(lane)
-                torch.autograd.backward(loss)
-            else:
-                out = self.outputs[s][i]
-                self.outputs[s][i] = None
-                assert out is not None
-                outs: list[torch.Tensor] = [t for t in tensors(out) if t.requires_grad]
-                grads: list[torch.Tensor] = []
-                if s + 1 in ex.local:
-                    nxt, self.inputs[s + 1][i] = self.inputs[s + 1][i], None
-                    assert nxt is not None
-                    src, ready = ex.local[s + 1].device, self.bwd_ev[s + 1][i]
-                    # A tensor whose next-stage copy got no gradient adds nothing to the backward.
-                    pairs = [(o, n.grad) for o, n in zip(tensors(out), tensors(nxt))
-                             if o.requires_grad and n.grad is not None]
-                    outs, grads = [o for o, _ in pairs], [ex._move(g, ready, src, lane) for _, g in pairs]
-                else:
-                    posted = self._posted(s, Action(kind, i))
-                    if outs:
-                        assert ex.transport is not None
-                        grads = ex.transport.recv_grads(outs, self._peer(s + 1), posted=(s, i) if posted else None)
-                        self._refill()
-                if timer is not None:
-                    timer.begin(lane)
-                if grads:
-                    torch.autograd.backward(outs, grads)
-        if s > 0 and s - 1 not in ex.local:
-            inp, self.inputs[s][i] = self.inputs[s][i], None
-            assert inp is not None and ex.transport is not None
-            need = [t for t in tensors(inp) if t.requires_grad]
-            if need:
-                ex.transport.send_grads([t.grad if t.grad is not None else torch.zeros_like(t) for t in need],
-                                        self._peer(s - 1))
-        if s == 0:
-            self.inputs[0][i] = None
-        if timer is not None:
-            timer.end(ex.pos[s], lane, f"{kind}{i}")
-        self.bwd_ev[s][i] = lane.record()

@@ -16,17 +16,19 @@ from __future__ import annotations
 from collections import deque
 from typing import Mapping, NamedTuple, Sequence
 
-from .deps import needs, sends
+from .deps import ACCUMULATES, needs, sends
 from .schedule import Action
 from .simulate import ScheduleError
 
-__all__ = ["Op", "rank_programs", "lower_programs", "check_programs", "format_program"]
+__all__ = ["Op", "rank_programs", "lower_programs", "close_stages", "check_programs", "format_program"]
 
 COMPUTE = ("F", "B", "I", "W")
+CLOSE = {"reduce": "REDUCE_GRAD", "update": "UPDATE"}  # a stage's step after its last accumulation, as printed
 
 
 class Op(NamedTuple):
-    """One step of a rank's program: compute ("F", "B", or its halves "I" and "W") or a message ("send"/"recv")."""
+    """One step of a rank's program: compute ("F", "B", or its halves "I" and "W"), a message ("send"/"recv"),
+    or a stage's close ("reduce": its gradients over the replicas; "update": its parameters stepped)."""
 
     kind: str
     stage: int
@@ -42,6 +44,8 @@ class Op(NamedTuple):
     def __str__(self) -> str:
         if self.kind in COMPUTE:
             return f"{self.kind}{self.microbatch}@stage{self.stage}"
+        if self.kind in CLOSE:
+            return f"{CLOSE[self.kind]} of stage {self.stage}"
         arrow = "to" if self.kind == "send" else "from"
         return f"{self.kind} {self.payload}{self.microbatch} of stage {self.stage} {arrow} rank {self.peer}"
 
@@ -78,12 +82,38 @@ def lower_programs(compute: Mapping[int, Sequence[tuple[int, Action]]], stage_ra
     return progs
 
 
+def close_stages(ops: Sequence[Op]) -> list[Op]:
+    """A rank's training program with each stage's REDUCE_GRAD and UPDATE after its last accumulation (its
+    last B, or its last W where backwards split) and the sends that follow it.
+
+    There the stage's gradients are whole: its buckets still to go are
+    launched over the replicas, and its parameters may be stepped while
+    other stages compute (an early update). The input gradient the previous
+    rank waits for is sent first.
+    """
+    last = {op.stage: k for k, op in enumerate(ops) if op.kind in ACCUMULATES}
+    close = {}
+    for s, k in last.items():
+        while k + 1 < len(ops) and ops[k + 1].kind == "send" and ops[k + 1].stage == s:
+            k += 1
+        close[k] = s
+    out: list[Op] = []
+    for k, op in enumerate(ops):
+        out.append(op)
+        if k in close:
+            out += [Op("reduce", close[k], op.microbatch), Op("update", close[k], op.microbatch)]
+    return out
+
+
 def format_program(ops: Sequence[Op]) -> str:
     """A rank's program in one line: compute as ``<stage><kind><microbatch>`` (``0F3``, ``1I2``), messages
-    as ``<stage>SEND_F3`` / ``RECV_F3`` (activations) and ``SEND_B3`` / ``RECV_B3`` (gradients)."""
+    as ``<stage>SEND_F3`` / ``RECV_F3`` (activations) and ``SEND_B3`` / ``RECV_B3`` (gradients), a stage's
+    close as ``<stage>REDUCE_GRAD`` and ``<stage>UPDATE``."""
     def one(op: Op) -> str:
         if op.kind in COMPUTE:
             return f"{op.stage}{op.kind}{op.microbatch}"
+        if op.kind in CLOSE:
+            return f"{op.stage}{CLOSE[op.kind]}"
         return f"{op.stage}{op.kind.upper()}_{'F' if op.payload == 'act' else 'B'}{op.microbatch}"
     return " ".join(one(op) for op in ops)
 

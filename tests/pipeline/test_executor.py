@@ -10,6 +10,7 @@ from torch import nn
 from pipedp.partition import Block, Chain
 from pipedp.pipeline import forward_only, gpipe, one_f_one_b
 from pipedp.pipeline.executor import Executor
+from pipedp.pipeline.schedule import Action
 from pipedp.pipeline.stage import Stage
 from pipedp.pipeline.stream import Lane
 
@@ -57,17 +58,20 @@ def test_every_cross_stage_dependency_waits_on_the_producers_event(schedule):
     ys = list(torch.randn(6, 4).split(2))
     # Which event did each (stage, action) record, and what did it wait for?
     events, waits, current = {}, {}, None
-    order = iter(ex.train_order)
+    order = iter(ex.program(3))  # every action of the program runs on its stage's lane, in order
     ex.train(xs, ys, [1 / 3] * 3, lambda out, y: (out - y).pow(2).mean())
     for entry in log:
         if entry[0] == "use":
-            current = next(order)
+            op = next(order)
+            current = (op.stage, Action(op.kind, op.microbatch))
             waits[current] = []
         elif entry[0] == "wait":
             waits[current].append(entry[2])
         elif entry[0] == "record":
             events[current] = entry[2]
     assert set(events) == set(ex.train_order)
+    closes = [(op.kind, op.stage) for op in ex.program(3) if op.kind not in ("F", "B")]
+    assert closes == [("reduce", 2), ("update", 2), ("reduce", 1), ("update", 1), ("reduce", 0), ("update", 0)]
     for (s, a), w in waits.items():
         if a.kind == "F" and s > 0:
             assert events[(s - 1, a)] in w, f"F{a.microbatch} on stage {s} does not wait for stage {s - 1}"
@@ -160,7 +164,8 @@ def test_split_backwards_on_cpu_worker_lanes_are_refused_naming_the_fix():
 
 def test_each_ranks_program_of_a_step_prints_a_line_a_rank():
     ex, _ = make(2, one_f_one_b, [])  # 3 microbatches, both stages here
-    assert ex.program_text() == "rank 0: 0F0 0F1 1F0 1B0 0B0 1F1 1B1 0F2 0B1 1F2 1B2 0B2"
+    assert ex.program_text() == ("rank 0: 0F0 0F1 1F0 1B0 0B0 1F1 1B1 0F2 0B1 1F2 1B2 1REDUCE_GRAD 1UPDATE 0B2 "
+                                 "0REDUCE_GRAD 0UPDATE")
 
 
 def test_an_interleaved_order_runs_a_ranks_stages_together_and_equals_1f1b():

@@ -53,3 +53,19 @@ def test_ranks_waiting_on_each_other_is_a_deadlock():
 def test_a_message_never_received_is_reported():
     with pytest.raises(ScheduleError, match="never received"):
         check_programs({0: [Op("send", 0, 0, "act", 1)], 1: []})
+
+
+def test_a_stage_closes_after_its_last_accumulation_and_the_gradient_it_sends_back():
+    from pipedp.pipeline.ranks import close_stages, format_program, lower_programs
+    from pipedp.pipeline.zero_bubble import zb_h1
+
+    progs = rank_programs(simulate(SCHEDULES["1f1b"](2, 2)).order, [0, 1])
+    closed = {r: close_stages(ops) for r, ops in progs.items()}
+    assert format_program(closed[1]).endswith("1B1 1SEND_B1 1REDUCE_GRAD 1UPDATE")
+    assert format_program(closed[0]).endswith("0RECV_B1 0B1 0REDUCE_GRAD 0UPDATE")
+    check_programs(closed)  # the closes are local: the messages still match
+    # Split backwards: the close follows the stage's last W, not its last I.
+    split = zb_h1(2, 3)
+    ops = lower_programs({0: [(s, a) for s, acts in enumerate(split) for a in acts]}, [0, 0])[0]
+    text = format_program(close_stages(ops))
+    assert text.count("REDUCE_GRAD") == 2 and all(f"{s}W2 {s}REDUCE_GRAD {s}UPDATE" in text for s in (0, 1))
