@@ -67,6 +67,29 @@ def test_zero_bubble_equals_plain_training_on_torchvision_and_pipedp_resnets(sta
         assert max_diff(model, ref) <= TOL, (name, stages)
 
 
+@pytest.mark.slow  # half a minute on 2 cores
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "interleaved"])
+def test_every_schedule_in_one_process_equals_plain_training_on_stock_models(schedule):
+    from tests.stock import timm, torchvision_models
+
+    models = {"torchvision resnet18": (lambda: torchvision_models().resnet18(num_classes=10), 3),
+              "timm dla46_c": (lambda: timm().create_model("dla46_c", num_classes=10), [16, 7, 7, 9])}  # at tuples
+    for (name, (make, stages)), bn in itertools.product(models.items(), ("microbatch", "batch")):
+        torch.manual_seed(0)
+        model = make()
+        ref = clone(model)
+        batches = data(n=8, size=32, steps=2, seed=1)
+        engine = engine_for(model, microbatches=4, stages=stages, schedule=schedule, batchnorm=bn)
+        for x, y in batches:
+            engine.train_step(x, y)
+        plain_steps(ref, batches, microbatches=4)
+        if bn == "microbatch":  # running statistics too: per microbatch, as the plain loop updates them
+            assert max_diff(model, ref) <= TOL, name
+        else:  # one running-statistics update per step from the whole batch: the parameters equal plain training
+            got, want = dict(model.named_parameters()), dict(ref.named_parameters())
+            assert max((got[k] - want[k]).abs().max().item() for k in want) <= TOL, name
+
+
 def test_loss_is_the_batch_mean_and_stays_on_device():
     torch.manual_seed(0)
     model = sequential_cnn()

@@ -22,7 +22,21 @@ from tests.reference import TwoPaths, clone, data, plain_steps, sequential_cnn
 
 TOL = 1e-5  # 16x16 inputs: at 8x8 BatchNorm over 1x1 maps amplifies summation order to 5e-5
 LOCAL_BATCH = 8
-MODELS = {"sequential": lambda: sequential_cnn(), "resnet18": lambda: resnet18(width=4), "two_paths": TwoPaths}
+def _torchvision_resnet18() -> nn.Module:
+    from tests.stock import torchvision_models
+
+    return torchvision_models().resnet18(num_classes=10)
+
+
+def _timm_dla() -> nn.Module:
+    from tests.stock import timm
+
+    return timm().create_model("dla46_c", num_classes=10)  # its trees pass tuples between blocks
+
+
+MODELS = {"sequential": lambda: sequential_cnn(), "resnet18": lambda: resnet18(width=4), "two_paths": TwoPaths,
+          "tv_resnet18": _torchvision_resnet18, "timm_dla": _timm_dla}
+DLA_TUPLE_CUTS = {2: [16, 23], 4: [16, 7, 7, 9], 8: [8, 8, 4, 3, 4, 3, 5, 4]}  # dla46_c cut where blocks pass tuples
 
 
 def _engine(model, **kw):
@@ -31,8 +45,8 @@ def _engine(model, **kw):
     return pipedp.wrap(model, optimizer=opt, loss_fn=nn.CrossEntropyLoss(), progress=False, **kw)
 
 
-def _global_batches(world_dp: int, steps: int = 3, seed: int = 0):
-    return data(n=world_dp * LOCAL_BATCH, size=16, steps=steps, seed=seed)
+def _global_batches(world_dp: int, steps: int = 3, seed: int = 0, size: int = 16):
+    return data(n=world_dp * LOCAL_BATCH, size=size, steps=steps, seed=seed)
 
 
 def _local(batch, dp_rank: int):
@@ -59,12 +73,14 @@ CASES = [  # (model, pp, stages, microbatches, schedule)
 
 def _train_cases(rank: int, world: int, cases) -> list[dict]:
     out = []
-    for name, pp, stages, m, schedule in cases:
+    for name, pp, stages, m, schedule, *extra in cases:  # extra: wrap options, "size" the input's
+        kw = dict(extra[0]) if extra else {}
+        size = kw.pop("size", 16)
         torch.manual_seed(0)
         model = MODELS[name]()
-        engine = _engine(model, pp=pp, stages=stages, microbatches=m, schedule=schedule)
+        engine = _engine(model, pp=pp, stages=stages, microbatches=m, schedule=schedule, **kw)
         lay = engine.layout
-        losses = [engine.train_step(*_local(b, lay.dp_rank)).item() for b in _global_batches(lay.dp)]
+        losses = [engine.train_step(*_local(b, lay.dp_rank)).item() for b in _global_batches(lay.dp, size=size)]
         out.append({
             "dp_rank": lay.dp_rank, "pp_rank": lay.pp_rank, "params": _owned(engine), "losses": losses,
             "plan": str(engine.plan), "stats": engine.sync_stats(),
@@ -82,11 +98,11 @@ def _check_cases(results, world: int, cases) -> None:
 
 
 def _compare(results, world: int, cases) -> None:
-    for c, (name, pp, _stages, m, _schedule) in enumerate(cases):
+    for c, (name, pp, _stages, m, _schedule, *extra) in enumerate(cases):
         dp = world // pp
         torch.manual_seed(0)
         ref = MODELS[name]()
-        plain_steps(ref, _global_batches(dp), microbatches=dp * m)
+        plain_steps(ref, _global_batches(dp, size=extra[0].get("size", 16) if extra else 16), microbatches=dp * m)
         expected = dict(ref.named_parameters())
         per_rank = [r[c] for r in results]
         covered = set()
@@ -110,6 +126,32 @@ def _compare(results, world: int, cases) -> None:
 def test_two_processes_equal_single_process_global_batch():
     results = multiproc.run(_train_cases, 2, CASES)
     _check_cases(results, 2, CASES)
+
+
+def _stock_cases(ranks: int, modes: tuple[str, ...] = ("microbatch", "batch")) -> list[tuple]:
+    """Every schedule x BatchNorm mode on torchvision's ResNet-18 and timm's DLA-46-C (cut at tuples)."""
+    out = []
+    for schedule in ("gpipe", "1f1b", "zb-h1", "interleaved"):
+        per_rank = 2 if schedule == "interleaved" else 1
+        for bn in modes:
+            opts = {"batchnorm": bn, "size": 32}
+            out.append(("tv_resnet18", ranks, per_rank * ranks, 4, schedule, opts))
+            out.append(("timm_dla", ranks, DLA_TUPLE_CUTS[per_rank * ranks], 4, schedule, opts))
+    return out
+
+
+@pytest.mark.slow  # a minute on 2 cores
+def test_every_schedule_on_stock_models_equals_plain_accumulation_over_two_ranks():
+    cases = _stock_cases(2)
+    results = multiproc.run(_train_cases, 2, cases, timeout_s=600)
+    _check_cases(results, 2, cases)
+
+
+@pytest.mark.slow  # a minute on 2 cores
+def test_every_schedule_on_stock_models_equals_plain_accumulation_over_four_ranks():
+    cases = _stock_cases(4, ("microbatch",))
+    results = multiproc.run(_train_cases, 4, cases, timeout_s=900)
+    _check_cases(results, 4, cases)
 
 
 @pytest.mark.slow  # tens of seconds on 2 cores: the slow run (CI runs it) keeps the default suite short

@@ -143,7 +143,10 @@ class Executor:
         self.microbatches = len({a.microbatch for a in schedule[0]})
         compute = _by_rank(simulate(schedule, duration=duration).order if orders is None else
                            _checked(orders, schedule), self.stage_rank)
-        infer = simulate(forward_only(n, self.microbatches), training=False, duration=duration).order
+        # Inference runs the forwards; where the ranks' orders are given, each rank's in its own order (a rank that
+        # interleaves its stages sends its activations in the order its peers take them).
+        infer = simulate(forward_only(n, self.microbatches), training=False, duration=duration).order \
+            if orders is None else [(s, a) for prog in orders for s, a in prog if a.kind == "F"]
         # Every rank's program of a training step (compute, messages, each stage's close), checked where stages
         # span ranks; this rank runs its own.
         self.programs = {r: close_stages(ops) for r, ops in lower_programs(compute, self.stage_rank).items()}

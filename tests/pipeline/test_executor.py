@@ -193,3 +193,19 @@ def test_orders_that_run_a_stage_otherwise_than_the_schedule_are_refused():
     orders = [[(s, a) for s, acts in enumerate(gpipe(2, 3)) for a in acts]]
     with pytest.raises(ValueError, match="the orders run stage 0's actions as F0 F1 F2 B0 B1 B2, the schedule as"):
         Executor(ex.stages, one_f_one_b(2, 3), orders=orders)
+
+
+def test_an_interleaved_rank_runs_inference_forwards_in_its_own_order():
+    # Stage 0 slow: a per-stage simulation would let rank 0 send stage 2's first activation before stage 0's
+    # second, while rank 1 takes them the other way round. Each rank's forwards in its training order match.
+    from pipedp.pipeline.orders import per_stage, placement, rank_orders
+
+    orders = rank_orders("interleaved", 4, 4, 2)
+    place = placement("interleaved", 4, 2)
+    slow = lambda s, a: 3.0 if s == 0 else 1.0  # noqa: E731
+    for rank in (0, 1):
+        stages = [Stage(s, Chain([Block(str(s), nn.Linear(4, 4))]), torch.device("cpu"), LoggingLane(f"L{s}", []))
+                  for s in range(4) if place[s] == rank]
+        ex = Executor(stages, per_stage(orders, 4), duration=slow, stage_rank=place, rank=rank,
+                      transport=object(), orders=orders)  # the programs are checked here; nothing is sent
+        assert ex.infer_order == [(s, a) for s, a in orders[rank] if a.kind == "F"]
