@@ -30,7 +30,8 @@ MODELS = {
 }
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", ["sequential", "resnet18",
+                                  pytest.param("resnet50", marks=pytest.mark.slow)])  # 18 s: the slow run
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])
 def test_parameters_equal_plain_training(name, schedule, stages):

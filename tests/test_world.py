@@ -153,6 +153,7 @@ def _choose_on_a_budget(rank: int, world: int) -> dict:
             "layout": choice.layout, "planning_s": choice.planning_s}
 
 
+@pytest.mark.slow  # a process world; the budget arithmetic is in tests/decide
 def test_a_finalist_is_timed_only_if_a_trial_like_the_last_still_fits_the_budget():
     a, b = multiproc.run(_choose_on_a_budget, 2, timeout_s=120)
     assert a["timed"] == b["timed"] == [a["first"]] and a["layout"] == a["first"]  # the first is always timed
@@ -179,6 +180,7 @@ def _choose_untimed(rank: int, world: int, case: str) -> dict:
             "measured": [r.measured_ms for r in choice.rows if r.measured_ms is not None]}
 
 
+@pytest.mark.slow  # two process worlds
 @pytest.mark.parametrize("case", ["lone", "budget"])
 def test_no_trial_is_timed_where_it_could_decide_nothing(case):
     a, b = multiproc.run(_choose_untimed, 2, case, timeout_s=120)
@@ -243,6 +245,7 @@ def _bad_auto(rank: int, world: int, kw: dict) -> str:
     return ""
 
 
+@pytest.mark.slow  # two process worlds for two error messages
 @pytest.mark.parametrize("kw, says", [({}, "pass sample="), ({"sample": (16, 3, 16, 16), "stages": 2}, "stages=2")])
 def test_pp_auto_says_what_it_needs(kw, says):
     for msg in multiproc.run(_bad_auto, 2, kw, timeout_s=60):
@@ -288,6 +291,7 @@ def _choose_in_fewer_windows(rank: int, world: int) -> dict:
     return {"calls": calls, "notes": choice.notes}
 
 
+@pytest.mark.slow  # a process world
 def test_where_two_trials_do_not_fit_they_are_timed_in_fewer_windows():
     a, b = multiproc.run(_choose_in_fewer_windows, 2, timeout_s=120)
     assert a["calls"] == b["calls"] and len(a["calls"]) >= 2 and set(a["calls"]) == {2}  # a warm-up and 1 window

@@ -245,7 +245,11 @@ def _dp_train(rank: int, world: int, case: str, frozen: bool) -> dict:
     return {"state": _state(model), "frozen_at": frozen_at}
 
 
-@pytest.mark.parametrize("case,frozen", [("unfreeze", True), ("freeze", False), ("double", False)])
+@pytest.mark.parametrize("case,frozen", [
+    ("unfreeze", True),
+    pytest.param("freeze", False, marks=pytest.mark.slow),  # a process world each: one in the default run
+    pytest.param("double", False, marks=pytest.mark.slow),
+])
 def test_data_parallel_follows_what_trains_now(case, frozen):
     """Items 2-3: unfrozen layers are averaged, frozen ones stay put, dtype changes follow; equal to plain."""
     results = multiproc.run(_dp_train, 2, case, frozen)

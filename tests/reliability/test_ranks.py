@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
 import torch
 from torch import nn
 
@@ -71,6 +72,7 @@ def _save_with_a_hung_peer(rank: int, world: int, path: str) -> dict:
     return {"error": None}
 
 
+@pytest.mark.slow  # waits out a rank timeout (10 s)
 def test_save_with_a_hung_peer_fails_within_the_timeout_naming_the_missing_rank(tmp_path):
     """Item 5: engine.save() honours timeout= and raises DistributedError naming the rank, the work and who hung."""
     path = str(tmp_path / "ckpt.pt")
