@@ -178,9 +178,9 @@ def build_pipeline(model: nn.Module, batch: torch.Tensor, options: PipelineOptio
     executor, transport = make_executor(parts, counts, decision.microbatches, devices, options, comm,
                                         profiles=profiles, step=step, training=training,
                                         compile=decision.compiled, threads=decision.threads,
-                                        reuse=warm.get(decision.config))
+                                        reuse=warm.get(decision.config), schedule=decision.schedule)
     plan = build_plan(
-        profiles, decision, devices, microbatch_size=sizes[0], schedule=options.schedule,
+        profiles, decision, devices, microbatch_size=sizes[0], schedule=decision.schedule,
         batchnorm=options.batchnorm, source=decision.source, notes=notes,
         ranks=comm.pp, layout=comm.describe(), contract=contract(decision.microbatches, coupled),
     )
@@ -190,7 +190,7 @@ def build_pipeline(model: nn.Module, batch: torch.Tensor, options: PipelineOptio
             raise ValueError(f"{len(shared)} BatchNorm module(s) are used by several stages, which would update them "
                              f"from concurrent CPU stages at once: pass threads=None (stages in order), or a cut "
                              f"(stages=[block counts]) that keeps each BatchNorm's uses in one stage")
-        plan = plan.with_threads(list(decision.threads), *concurrent_times(profiles, counts, options.schedule,
+        plan = plan.with_threads(list(decision.threads), *concurrent_times(profiles, counts, decision.schedule,
                                                                            decision.microbatches))
     deferred = _batchnorm(model, executor, options)
     for st in executor.stages:

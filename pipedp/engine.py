@@ -32,6 +32,7 @@ from .decide.cut import AUTO_MICROBATCHES
 from .decide.layout import Layout as WorldLayout
 from .decide.record import from_record
 from .decide.rules import check_rules
+from .decide.schedules import layout_schedules
 from .distributed import Layout
 from .lower import in_layout, surrogate_loss
 from .ops.swap import swap_depthwise
@@ -133,7 +134,7 @@ class Engine:
                 model, global_batch, self.devices[0], _world_trial(model, self.optimizer, global_batch, opts,
                                                                     dp_options, topts),
                 microbatches=allowed, budget_s=opts.plan_budget_s, bucket_bytes=dp_options.bucket_bytes,
-                schedule=opts.schedule, depth=opts.depth, withheld=withheld, coupled=coupled,
+                schedules=layout_schedules(opts.schedule), depth=opts.depth, withheld=withheld, coupled=coupled,
                 reduce_dtypes=(None, AUTO_REDUCE_DTYPE) if dp_options.reduce_dtype == "auto" else (
                     dp_options.reduce_dtype,))
             sample = global_batch[: global_batch.shape[0] // self.world.layout.dp]  # this replica's batch
@@ -187,7 +188,8 @@ class Engine:
 
     @property
     def schedule(self) -> str:
-        return self.options.schedule
+        """The schedule the plan runs: the one ``schedule="auto"`` chose once the plan is made."""
+        return self._pipe.decision.schedule if self._pipe is not None else self.options.schedule
 
     @property
     def layout(self) -> Layout | None:

@@ -147,16 +147,16 @@ def make_executor(
     parts: Parts, counts: Sequence[int], microbatches: int, devices: Sequence[torch.device],
     options: PipelineOptions, comm: Communicator, *, profiles: Sequence[BlockProfile] | None = None,
     step: int = 0, training: TrainingOptions | None = None, compile: bool = False,
-    threads: Sequence[int] | None = None, reuse: Sequence[Stage] | None = None,
+    threads: Sequence[int] | None = None, reuse: Sequence[Stage] | None = None, schedule: str,
 ) -> tuple[Executor, Transport | None]:
-    """This rank's stages of the cut ``counts`` on their devices and lanes, with the schedule to run them.
+    """This rank's stages of the cut ``counts`` on their devices and lanes, run by ``schedule`` (a name, resolved).
 
     ``compile``: each stage's blocks through ``torch.compile``; ``threads``: CPU
     stages run concurrently, each on a worker with that many threads on its own cores.
     ``reuse``: the stages a trial made for the same cut (compiled ones keep their compiled code).
     """
     training = training if training is not None else TrainingOptions()
-    places = stage_places(len(counts), devices, comm.pp, options.schedule)
+    places = stage_places(len(counts), devices, comm.pp, schedule)
     stages, start = list(reuse or []), 0
     pins = core_sets(threads) if threads is not None else [None] * len(counts)
     for s, k in enumerate(counts if reuse is None else []):
@@ -168,11 +168,11 @@ def make_executor(
             stages.append(_dress(stage, training, options.cuda_graph, compile))
         start += k
     duration = action_durations(*stage_times(profiles, counts)) if profiles is not None else None
-    orders = rank_orders(options.schedule, len(counts), microbatches, comm.pp, duration=duration)
-    schedule = per_stage(orders, len(counts))
+    orders = rank_orders(schedule, len(counts), microbatches, comm.pp, duration=duration)
+    per = per_stage(orders, len(counts))
     transport = comm.transport(devices[0], step)
     stage_rank = comm.stage_ranks([r for r, _ in places])
     if stage_rank is None:
-        return Executor(stages, schedule, duration=duration, orders=orders), None
-    return Executor(stages, schedule, duration=duration, stage_rank=stage_rank, rank=comm.rank,
+        return Executor(stages, per, duration=duration, orders=orders), None
+    return Executor(stages, per, duration=duration, stage_rank=stage_rank, rank=comm.rank,
                     transport=transport, orders=orders), transport

@@ -88,7 +88,9 @@ class PipelineOptions:
     a smaller bubble between stages that run at once, at 1F1B's peak of activations), or ``"interleaved"``
     (Interleaved 1F1B over pipeline ranks: each rank holds several stages spread along the model, stage s on
     rank s mod pp, so the fill and drain shrink by that many times at as many more messages; ``stages`` a
-    multiple of pp, ``"auto"`` choosing how many per rank, and microbatches a multiple of pp).
+    multiple of pp, ``"auto"`` choosing how many per rank, and microbatches a multiple of pp), or ``"auto"``:
+    over pipeline ranks the one whose simulated step is fastest on the profiled blocks (with the cut each
+    gets; ``engine.schedule`` says which), elsewhere 1F1B.
     ``devices``: device(s) for the stages (default: the model's); several stages
     may share one CUDA device, each on its own stream. ``batchnorm``:
     ``"microbatch"`` (running statistics per microbatch, as GPipe) or
@@ -153,7 +155,8 @@ class PipelineOptions:
         _stages(self.stages)
         object.__setattr__(self, "threads", check_threads(self.threads, self.stages))
         _microbatches(self.microbatches, self.stages)
-        check_schedule(self.schedule)
+        if self.schedule != "auto":
+            check_schedule(self.schedule)
         if self.schedule in (*SPLIT, *PER_RANK) and self.threads is not None:
             raise ValueError(f"schedule={self.schedule!r} runs one action at a time on a CPU, and threads= runs "
                              f"stages on thread teams at once: pass threads=None, or schedule='1f1b'")

@@ -176,7 +176,8 @@ def _trial_s(p: Prediction, rounds: int, steps: int) -> float:
 
 
 def choose_world(model: nn.Module, global_batch: torch.Tensor, device: torch.device, trial: Trial, *,
-                 microbatches: Sequence[int], budget_s: float, bucket_bytes: float, schedule: str = "1f1b",
+                 microbatches: Sequence[int], budget_s: float, bucket_bytes: float,
+                 schedules: Sequence[str] = ("1f1b",),
                  depth: int = 1, rounds: int = 2, steps: int = 1, k: int = FINALISTS, within: float = WITHIN,
                  withheld: Sequence[int] = (), coupled: str | None = None,
                  reduce_dtypes: Sequence[torch.dtype | None] = (None,),
@@ -190,7 +191,8 @@ def choose_world(model: nn.Module, global_batch: torch.Tensor, device: torch.dev
     allow (one microbatch kept for the exact math of ``coupled``, a BatchNorm): pipelines with them are
     predicted and shown, never built, and a note says what they would have gained and which option
     allows them. ``reduce_dtypes``: the dtypes the gradient all-reduce may travel in (None: the gradients'
-    own), each weighed for every layout with replicas.
+    own), each weighed for every layout with replicas. ``schedules``: the schedules each pipeline layout is
+    weighed with.
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("pp='auto' lays out a torch.distributed world: launch with torchrun and call "
@@ -213,7 +215,7 @@ def choose_world(model: nn.Module, global_batch: torch.Tensor, device: torch.dev
     if me == 0:
         costs = profile.costs()
         every = rank(costs, world, n, allreduce, p2p=p2p, update_ms=profile.update_ms,
-                     microbatches=sorted({*microbatches, *withheld}), schedules=(schedule,),
+                     microbatches=sorted({*microbatches, *withheld}), schedules=tuple(schedules),
                      bucket_bytes=bucket_bytes, reduce_dtypes=reduce_dtypes)
         allowed = [p for p in every if p.layout.pp == 1 or p.layout.microbatches in microbatches]
         shared = [(allowed, [p for p in every if p not in allowed], allreduce, p2p, costs, profile.update_ms)]

@@ -68,6 +68,7 @@ CASES = [  # (model, pp, stages, microbatches, schedule)
     ("resnet18", 2, 2, 4, "1f1b"),
     ("two_paths", 2, [2, 3], 2, "gpipe"),  # the ranks pass the two branches, a tuple of tensors, both ways
     ("resnet18", 2, 4, 2, "interleaved"),  # stages 0 and 2 on rank 0, 1 and 3 on rank 1
+    ("resnet18", 2, "auto", 4, "auto"),  # the fastest simulated schedule, with its cut
 ]
 
 
@@ -83,7 +84,7 @@ def _train_cases(rank: int, world: int, cases) -> list[dict]:
         losses = [engine.train_step(*_local(b, lay.dp_rank)).item() for b in _global_batches(lay.dp, size=size)]
         out.append({
             "dp_rank": lay.dp_rank, "pp_rank": lay.pp_rank, "params": _owned(engine), "losses": losses,
-            "plan": str(engine.plan), "stats": engine.sync_stats(),
+            "plan": str(engine.plan), "stats": engine.sync_stats(), "schedule": engine.schedule,
         })
     return out
 
@@ -126,6 +127,9 @@ def _compare(results, world: int, cases) -> None:
 def test_two_processes_equal_single_process_global_batch():
     results = multiproc.run(_train_cases, 2, CASES)
     _check_cases(results, 2, CASES)
+    auto = [r[-1] for r in results]  # schedule="auto": one resolved schedule on both ranks, and why
+    assert auto[0]["schedule"] == auto[1]["schedule"] in ("1f1b", "zb-h1", "interleaved")
+    assert f"schedule=auto: {auto[0]['schedule']}, the fastest simulated step" in auto[0]["plan"]
 
 
 def _stock_cases(ranks: int, modes: tuple[str, ...] = ("microbatch", "batch")) -> list[tuple]:

@@ -22,7 +22,7 @@ def test_a_compiled_stage_keeps_static_shapes_for_each_microbatch_size():
     x = torch.randn(8, 6)
     blocks = blocks_of(model)
     executor, _ = make_executor(Parts(blocks, check_chain(model, blocks, x[:2])), [len(blocks)], 1,
-                                [torch.device("cpu")], PipelineOptions(), Local(), compile=True)
+                                [torch.device("cpu")], PipelineOptions(), Local(), compile=True, schedule="1f1b")
     (stage,) = executor.stages
     before = counters["stats"]["unique_graphs"]
     for n in (8, 4, 2, 8):

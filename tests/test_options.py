@@ -127,3 +127,8 @@ def test_wrap_passes_the_concurrency_options_to_the_engine():
     engine = pipedp.wrap(torch.nn.Linear(2, 2), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
                          branches=True, split_grads=True, early_update=True)
     assert engine.concurrency_options == ConcurrencyOptions(branches=True, split_grads=True, early_update=True)
+
+
+def test_schedule_auto_is_a_request_the_plan_resolves():
+    assert PipelineOptions(schedule="auto").schedule == "auto"  # the request stays the user's
+    assert PipelineOptions(schedule="auto", stages=2, threads=[1, 1]).threads == (1, 1)  # resolves to 1f1b there

@@ -40,6 +40,7 @@ from .coupling import Resolved, resolve_microbatches
 from .cpu import decide_cpu
 from .cut import AUTO_MICROBATCHES, MAX_TRIAL_STAGES, resolve_counts, untimed_microbatches
 from .decision import Decision
+from .schedules import AUTO, choose_schedule, fixed
 from .hazards import channels_last_hazard
 from .layout import Layout
 from .search import Budget, Measure, Space, allowed, search
@@ -177,11 +178,12 @@ def decide(parts: Parts, model: nn.Module, sample: torch.Tensor, batch: torch.Te
             decision = Decision(Config(tuple(given.counts), given.microbatches, training.channels_last is True,
                                        training.compile is True, concurrent=pieces),
                                 (f"pp=auto: {given.label}, the world's layout (engine.world.table() says how "
-                                 f"it was chosen)",))
+                                 f"it was chosen)",), schedule=given.schedule)
         elif threaded:
             channels_last = training.channels_last is True
             profiles, decision = decide_cpu(parts, blocks, profiles, sample, batch, options, comm, training,
                                             choices, channels_last, compiled=training.compile is True)
+            decision = replace(decision, schedule=fixed(options.schedule))
         elif by_trials:
             clock = measure if measure is not None else DeviceClock(
                 model, parts, batch, devices, options, comm, training, concurrency,
@@ -190,7 +192,8 @@ def decide(parts: Parts, model: nn.Module, sample: torch.Tensor, batch: torch.Te
             decision = _timed(_space(parts, profiles, model, devices[0], choices, training, concurrency, hazard,
                                      levers, _kept_whole(options, coupled, batch.shape[0])),
                               clock, budget, options, devices[0], warm)
-            decision = replace(decision, notes=(*decision.notes, *(n for n in (hazard, _serial(devices[0])) if n)))
+            decision = replace(decision, notes=(*decision.notes, *(n for n in (hazard, _serial(devices[0])) if n)),
+                               schedule=fixed(options.schedule))
             if pieces and devices[0].type != "cuda":  # not timed (a CPU runs them in order): as the user asked
                 decision = replace(decision, config=replace(decision.config, concurrent=True))
         else:
@@ -245,7 +248,11 @@ def _predicted(profiles: Sequence[BlockProfile], options: PipelineOptions, devic
                comm: Communicator, training: TrainingOptions, choices: Sequence[int], batch: int,
                spec: Resolved) -> Decision:
     """The plan from the profiles alone (a given cut, several devices, pipeline ranks)."""
-    counts, notes = resolve_counts(profiles, options.stages, devices, max(choices), options.schedule, ranks=comm.pp)
+    if options.schedule == AUTO:
+        schedule, counts, notes = choose_schedule(profiles, options.stages, devices, max(choices), comm.pp)
+    else:
+        schedule = options.schedule
+        counts, notes = resolve_counts(profiles, options.stages, devices, max(choices), schedule, ranks=comm.pp)
     m = choices[0]
     if spec == "auto":
         m = untimed_microbatches(len(counts), batch)
@@ -253,4 +260,4 @@ def _predicted(profiles: Sequence[BlockProfile], options: PipelineOptions, devic
     if training.compile == "auto":
         notes.append("compile=auto: off (only stages='auto' on one device times compiled plans)")
     config = Config(tuple(counts), m, training.channels_last is True, training.compile is True)
-    return Decision(config, tuple(notes))
+    return Decision(config, tuple(notes), schedule=schedule)

@@ -28,6 +28,7 @@ from ..pipeline.concurrency import install
 from ..pipeline.graphed import captured_call
 from ..pipeline.stage import Stage
 from .config import Config
+from .schedules import fixed
 
 __all__ = ["DeviceClock", "windows_ms"]
 
@@ -172,7 +173,8 @@ class DeviceClock:
             xs = xs[:1]
             self.scale[config] = self.batch.shape[0] / xs[0].shape[0]
         ex, _ = make_executor(self.parts, list(config.counts), len(xs), self.devices, self.options,
-                              self.comm, training=self.training, compile=config.compiled, threads=config.threads)
+                              self.comm, training=self.training, compile=config.compiled, threads=config.threads,
+                              schedule=fixed(self.options.schedule))
         ys = [t.to(ex.stages[-1].device) for t in xs]
         w = microbatch.shares([t.shape[0] for t in xs])
         undo = None

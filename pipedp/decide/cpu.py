@@ -21,6 +21,7 @@ from ..partition.threads import CpuPlan, at_threads, plan_cpu, step_ms
 from ..pipeline import microbatch
 from .config import Config
 from .decision import Decision
+from .schedules import fixed
 
 __all__ = ["decide_cpu"]
 
@@ -35,7 +36,7 @@ def decide_cpu(parts: Parts, blocks: list[Block], profiles: Sequence[BlockProfil
     def measure(plan: CpuPlan) -> float:
         if plan not in runs:
             ex, _ = make_executor(parts, list(plan.counts), plan.microbatches, [batch.device], options, comm,
-                                  training=training, threads=plan.threads)
+                                  training=training, threads=plan.threads, schedule=fixed(options.schedule))
             xs = microbatch.split(batch, plan.microbatches)
             w = microbatch.shares([t.shape[0] for t in xs])
             runs[plan] = trial(ex, parts, xs, xs, w)
@@ -48,7 +49,7 @@ def decide_cpu(parts: Parts, blocks: list[Block], profiles: Sequence[BlockProfil
 
     choice, curves = plan_cpu(
         blocks, sample, threads=options.threads, stages=options.stages, microbatches=choices,
-        sizes=relative, schedule=options.schedule,
+        sizes=relative, schedule=fixed(options.schedule),
         measure=measure if options.profile else None, copy_input=parts.copy_input, host_profiles=profiles,
         profiled=options.profile)
     plan, scale = choice.plan, relative(choice.plan.microbatches)

@@ -31,6 +31,7 @@ class Decision:
     planning_s: float = 0.0
     hint: str = ""
     source: str = "profile"  # where the block times came from: "profile" (measured) or "cost model"
+    schedule: str = "1f1b"  # the schedule the plan runs: the user's, or the one schedule="auto" chose
 
     @property
     def counts(self) -> tuple[int, ...]:

@@ -14,6 +14,7 @@ from dataclasses import asdict, fields, replace
 from typing import Any, Mapping, Sequence
 
 from ..partition.profile import BlockProfile
+from ..pipeline.orders import check_schedule
 from .config import Config
 from .decision import Decision
 from .fingerprint import SECTIONS, Fingerprint
@@ -46,6 +47,7 @@ def to_record(profiles: Sequence[BlockProfile], decision: Decision, made_for: Fi
         "planning_s": float(decision.planning_s),
         "hint": decision.hint,
         "source": decision.source,
+        "schedule": decision.schedule,
         "profiles": [[p.name, p.forward_ms, p.backward_ms, p.output_bytes, p.saved_bytes, p.param_bytes]
                      for p in profiles],
     }
@@ -68,7 +70,8 @@ def from_record(record: Mapping[str, Any]) -> tuple[list[BlockProfile], Decision
                     for n, f, b, o, s, p in record["profiles"]]
         decision = Decision(config, tuple(record["notes"]), tuple((str(lb), float(ms)) for lb, ms in record["trials"]),
                             str(record["bar"]), None if record["bar_ms"] is None else float(record["bar_ms"]),
-                            float(record["planning_s"]), str(record["hint"]), str(record["source"]))
+                            float(record["planning_s"]), str(record["hint"]), str(record["source"]),
+                            check_schedule(str(record.get("schedule", "1f1b"))))
     except (KeyError, TypeError, ValueError) as e:
         raise RecordError(f"the saved decision is incomplete or damaged ({type(e).__name__}: {e}): plan anew "
                           f"(leave decision= unset)") from e
