@@ -14,8 +14,7 @@ import os
 import statistics
 import warnings
 import weakref
-from dataclasses import replace
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,14 +26,10 @@ from .build import Pipeline, build_pipeline, sample_batch
 from .checks import positive_int
 from .comm import communicator
 from .device import resolve_devices
-from .decide.coupling import Resolved, batch_coupled, resolve_microbatches
-from .decide.cut import AUTO_MICROBATCHES
-from .decide.layout import Layout as WorldLayout
 from .decide.record import from_record
 from .decide.rules import check_rules
-from .decide.schedules import layout_schedules
 from .distributed import Layout
-from .lower import in_layout, surrogate_loss
+from .lower import in_layout
 from .ops.swap import swap_depthwise
 from .optimizer import OptimizerSpec, check_optimizer, move_optimizer_state
 from .options import (
@@ -53,21 +48,12 @@ from .snapshot import forked_rng, rng_state, set_rng_state
 from .step import LossFn, StepRunner, loss_reduction
 from .update import GradientStep
 from .watch import ModelWatch
-from .world import Trial, WorldChoice, choose_world
+from .world import WorldChoice
+from .world_auto import choose_layout
 
 __all__ = ["Engine"]
 
 CHECKPOINT_FORMAT = 2
-
-
-# What reduce_dtype="auto" lets pp="auto" weigh: bf16 keeps fp32's range (an fp16 sum can overflow), and both
-# NCCL and gloo reduce it.
-AUTO_REDUCE_DTYPE = torch.bfloat16
-
-
-def _world_microbatches(spec: Resolved) -> list[int]:
-    """The microbatch counts ``pp="auto"`` may give its layouts: the resolved request's, or all of auto's."""
-    return list(AUTO_MICROBATCHES) if spec == "auto" else [int(spec)]
 
 
 class Engine:
@@ -125,19 +111,8 @@ class Engine:
         self.world: WorldChoice | None = None  # what pp="auto" chose (None: pp given, or one process)
         if dp_options.pp == "auto" and dp_options.enabled and dist.is_available() and dist.is_initialized() \
                 and dist.get_world_size() > 1:
-            global_batch = self._global_batch(model, sample, opts)
-            coupled = batch_coupled(model)
-            allowed = _world_microbatches(resolve_microbatches(opts.microbatches, opts.stages, coupled))
-            # The default's one microbatch for exact BatchNorm math: the pipelines it rules out are shown, not run.
-            withheld = [m for m in AUTO_MICROBATCHES if m not in allowed] if opts.microbatches is None else []
-            self.world = choose_world(
-                model, global_batch, self.devices[0], _world_trial(model, self.optimizer, global_batch, opts,
-                                                                    dp_options, topts),
-                microbatches=allowed, budget_s=opts.plan_budget_s, bucket_bytes=dp_options.bucket_bytes,
-                schedules=layout_schedules(opts.schedule), depth=opts.depth, withheld=withheld, coupled=coupled,
-                reduce_dtypes=(None, AUTO_REDUCE_DTYPE) if dp_options.reduce_dtype == "auto" else (
-                    dp_options.reduce_dtype,))
-            sample = global_batch[: global_batch.shape[0] // self.world.layout.dp]  # this replica's batch
+            self.world, sample = choose_layout(model, self.optimizer, sample, self.devices[0], opts, dp_options,
+                                               topts, Engine)  # sample: this replica's batch
         resolved_pp = self.world.layout.pp if self.world is not None else 1 if dp_options.pp == "auto" else None
         self.comm = communicator(dp_options, pp=resolved_pp,
                                  reduce_dtype=self.world.layout.reduce_dtype if self.world is not None else None)
@@ -162,19 +137,6 @@ class Engine:
             except BaseException:
                 swap.undo()
                 raise
-
-    @staticmethod
-    def _global_batch(model: nn.Module, sample: torch.Tensor | Sequence[int] | None,
-                      opts: PipelineOptions) -> torch.Tensor:
-        """The global batch ``pp="auto"`` plans on, checked against the options it cannot honour."""
-        if sample is None:
-            raise ValueError("pp='auto' chooses the world's layout when the engine is made: pass sample= (the "
-                             "global batch of one step over all ranks, or its shape), or pass pp=N")
-        if opts.stages != "auto" or opts.threads is not None:
-            given = f"stages={opts.stages!r}" if opts.stages != "auto" else f"threads={opts.threads!r}"
-            raise ValueError(f"pp='auto' chooses each layout's cut itself, so {given} cannot be honoured: leave "
-                             f"stages='auto' and threads=None, or pass pp=N with your cut")
-        return sample_batch(model, sample)
 
     @property
     def kernel_layers(self) -> int:
@@ -492,29 +454,4 @@ class Engine:
     def __repr__(self) -> str:
         built = f"{len(self._pipe.executor.stages)} stages" if self._pipe is not None else "not built"
         return f"Engine({type(self.module).__name__}, {built}, microbatches={self.microbatches}, schedule={self.schedule})"
-
-
-def _world_trial(model: nn.Module, optimizer: torch.optim.Optimizer | None, global_batch: torch.Tensor,
-                 pipeline: PipelineOptions, data_parallel: DataParallelOptions, training: TrainingOptions) -> Trial:
-    """How ``pp="auto"`` times a layout: an engine of it on a copy of the model (the user's stays untouched),
-    with the user's optimizer class and defaults, the user's numerics, torch's own kernels and a surrogate loss."""
-
-    def trial(layout: WorldLayout) -> tuple[Callable[[], None], Callable[[], None]]:
-        x = global_batch[: global_batch.shape[0] // layout.dp]
-        y = torch.zeros(x.shape[0])
-        opt = None if optimizer is None else (lambda params: type(optimizer)(params, **optimizer.defaults))
-        engine = Engine(
-            copy.deepcopy(model), optimizer=opt, loss_fn=surrogate_loss,
-            pipeline=replace(pipeline, stages=list(layout.counts), microbatches=layout.microbatches,
-                             schedule=layout.schedule, profile=False, progress=False),
-            data_parallel=replace(data_parallel, pp=layout.pp, reduce_dtype=layout.reduce_dtype),
-            kernels=KernelOptions(mode="torch"),
-            training=training, sample=x)
-
-        def step() -> None:
-            engine.train_step(x, y)
-
-        return step, engine.close
-
-    return trial
 
