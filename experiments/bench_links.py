@@ -46,6 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--models", default="resnet18,vgg11_bn", help="comma list: pipedp.models names or vgg11_bn")
     p.add_argument("--batch", type=int, default=64, help="global batch per step")
     p.add_argument("--microbatches", default="2,4,8", help="microbatch counts of the pipeline rows")
+    p.add_argument("--schedules", default="1f1b", help="comma list: the schedules of the pipeline rows")
     p.add_argument("--rounds", type=int, default=3, help="alternating windows per configuration")
     p.add_argument("--steps", type=int, default=2, help="steps per window")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
@@ -114,21 +115,35 @@ def _table(report: dict[str, Any]) -> str:
               "| model | measured | forecast |", "|---|---|---|"]
     for model, (measured, predicted) in overtakes(report).items():
         lines.append(f"| {model} | {measured} | {predicted} |")
+    schedules = report["settings"].get("schedules", "1f1b").split(",")
+    if len(schedules) > 1:
+        lines += ["", "The same, measured, with the pipelines of each schedule alone:", "",
+                  "| model | " + " | ".join(schedules) + " |", "|---|" + "---|" * len(schedules)]
+        per = {s: overtakes(report, s) for s in schedules}
+        for model in per[schedules[0]]:
+            lines.append(f"| {model} | " + " | ".join(per[s][model][0] for s in schedules) + " |")
     return "\n".join(lines)
 
 
-def overtakes(report: dict[str, Any]) -> dict[str, tuple[str, str]]:
-    """Per model (and link delay): the fastest rate where the best pipeline beat data parallelism, measured and
-    forecast."""
+def _schedule_of(row: str) -> str:
+    """The schedule of a pipeline row: ``pipedp-pp2x4`` is 1F1B, ``pipedp-pp2x4-zb-h1`` ZB-H1."""
+    rest = row.split("-", 2)
+    return rest[2] if len(rest) > 2 else "1f1b"
+
+
+def overtakes(report: dict[str, Any], schedule: str | None = None) -> dict[str, tuple[str, str]]:
+    """Per model (and link delay): the fastest rate where the best pipeline (of ``schedule`` alone, where
+    given) beat data parallelism, measured and forecast."""
     found: dict[str, list[tuple[float, bool, bool]]] = {}
     for run in report["runs"]:
         rate = run.get("rate_mbit") or float("inf")
         for r in run["results"]:
             ms, fc = r["ms"], r.get("forecast", {})
-            pipes = [k for k in ms if k.startswith("pipedp-pp2")]
+            pipes = [k for k in ms if k.startswith("pipedp-pp2") and schedule in (None, _schedule_of(k))]
             dp = min(ms[k] for k in ("ddp", "pipedp-dp") if k in ms)
             won = bool(pipes) and min(ms[k] for k in pipes) < dp
-            pred_pipes = [f["predicted_ms"] for k, f in fc.items() if k.startswith("pipedp-pp2")]
+            pred_pipes = [f["predicted_ms"] for k, f in fc.items()
+                          if k.startswith("pipedp-pp2") and schedule in (None, _schedule_of(k))]
             pred_won = bool(pred_pipes) and "pipedp-dp" in fc and min(pred_pipes) < fc["pipedp-dp"]["predicted_ms"]
             delay = run.get("delay_ms") or 0.0
             found.setdefault(r["model"] + (f", {delay:g} ms" if delay else ""), []).append((rate, won, pred_won))
@@ -157,7 +172,8 @@ def bench(argv: Sequence[str] | None = None) -> dict[str, Any]:
             out = os.path.join(tmp, "results.json")
             env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=root)
             codes = c.torchrun(["-m", "experiments.links_worker", "--models", args.models, "--batch", str(args.batch),
-                                "--microbatches", args.microbatches, "--rounds", str(args.rounds), "--steps",
+                                "--microbatches", args.microbatches, "--schedules", args.schedules,
+                                "--rounds", str(args.rounds), "--steps",
                                 str(args.steps), "--threads", str(args.threads), "--out", out,
                                 *(["--width", str(args.width)] if args.width else []),
                                 *(["--powersgd"] if args.powersgd else [])],

@@ -12,7 +12,9 @@ own copy of one seeded model (SGD, cross entropy, a synthetic CIFAR batch):
   bucket's is done (see :class:`InOrder`);
 * ``pipedp-dp``: ``pipedp.wrap(pp=1)`` on one stage; ``pipedp-dp-fp16``: with
   ``reduce_dtype=torch.float16``, the counterpart of the hook;
-* ``pipedp-pp2xM``: two pipeline ranks, one stage each, M microbatches;
+* ``pipedp-pp2xM``: two pipeline ranks, one stage each, M microbatches (1F1B);
+  ``pipedp-pp2xM-<schedule>`` for each other schedule of ``--schedules``
+  (``interleaved``: two stages each, stage s on rank s mod 2);
 * ``pp-auto``: ``pipedp.wrap(pp="auto", microbatches="auto")`` planning on the
   global batch, then training what it chose; ``pp-auto-16``: the same with
   ``reduce_dtype="auto"`` (a bf16 all-reduce allowed: lossy, against the
@@ -152,10 +154,16 @@ def configurations(base: nn.Module, args: argparse.Namespace, full: torch.Tensor
         layouts[name] = Layout(dist.get_world_size(), tuple(engine.plan.counts), 1, reduce_dtype=wire)
     if args.powersgd:
         out["ddp-powersgd"] = (_ddp(copy.deepcopy(base), "powersgd"), True)
-    for m in (int(v) for v in args.microbatches.split(",")):
-        engine = _wrap(copy.deepcopy(base), pp=2, stages=2, microbatches=m, sample=full)
-        out[f"pipedp-pp2x{m}"] = (engine.train_step, False)
-        layouts[f"pipedp-pp2x{m}"] = Layout(1, tuple(engine.plan.counts), m)
+    for sched in getattr(args, "schedules", "1f1b").split(","):
+        for m in (int(v) for v in args.microbatches.split(",")):
+            if sched == "interleaved" and m % 2:
+                continue  # its forwards go round the two ranks in pairs
+            name = f"pipedp-pp2x{m}" + ("" if sched == "1f1b" else f"-{sched}")
+            engine = _wrap(copy.deepcopy(base), pp=2, stages=4 if sched == "interleaved" else 2, microbatches=m,
+                           sample=full, schedule=sched)
+            out[name] = (engine.train_step, False)
+            if sched != "interleaved":  # pp="auto" predicts one stage per rank
+                layouts[name] = Layout(1, tuple(engine.plan.counts), m, sched)
     autos = {}
     for name, wire in zip(AUTOS, (None, "auto")):
         t0 = time.perf_counter()
@@ -236,6 +244,7 @@ def main() -> None:
     p.add_argument("--models", default="resnet18")
     p.add_argument("--batch", type=int, default=64, help="global batch per step")
     p.add_argument("--microbatches", default="2,4,8")
+    p.add_argument("--schedules", default="1f1b", help="comma list: the schedules of the pipeline rows")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--warmup", type=int, default=1)
