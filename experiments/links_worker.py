@@ -154,7 +154,7 @@ def configurations(base: nn.Module, args: argparse.Namespace, full: torch.Tensor
         layouts[name] = Layout(dist.get_world_size(), tuple(engine.plan.counts), 1, reduce_dtype=wire)
     if args.powersgd:
         out["ddp-powersgd"] = (_ddp(copy.deepcopy(base), "powersgd"), True)
-    for sched in getattr(args, "schedules", "1f1b").split(","):
+    for sched in args.schedules.split(","):
         for m in (int(v) for v in args.microbatches.split(",")):
             if sched == "interleaved" and m % 2:
                 continue  # its forwards go round the two ranks in pairs
