@@ -26,6 +26,7 @@ from .ahead import Ahead
 from .cpu_lane import Flight
 from .deps import ACCUMULATES, grad_kinds, needs
 from .interpreter import GradSyncLike, LossFn, StageUpdateLike, StepRun
+from .orders import per_stage
 from .p2p import Transport
 from .ranks import COMPUTE, Op, check_programs, close_stages, format_program, lower_programs, rank_programs
 from .schedule import Action, Schedule, forward_only
@@ -236,6 +237,8 @@ class Executor:
         """This rank's program of a step of ``k`` microbatches: its actions in order with the messages between
         ranks and, training, each stage's REDUCE_GRAD and UPDATE (:mod:`.ranks`)."""
         key = (k, training)
+        if key == (self.microbatches, True):
+            return self.programs[self.rank]  # lowered and checked with every rank's at construction
         if key not in self._lowered:
             train, infer, _ = self.orders(k)
             ops = lower_programs({self.rank: train if training else infer}, self.stage_rank)[self.rank]
@@ -350,13 +353,11 @@ class Executor:
 
 def _checked(orders: Sequence[Sequence[tuple[int, Action]]], schedule: Schedule) -> list[tuple[int, Action]]:
     """The ranks' orders one after another, once they are checked to run each stage's actions as ``schedule``."""
-    got: Schedule = [[] for _ in schedule]
     for prog in orders:
         for s, a in prog:
-            if not 0 <= s < len(got):
-                raise ValueError(f"an order runs {a} of stage {s}, but the schedule has {len(got)} stages")
-            got[s].append(a)
-    for s, (mine, want) in enumerate(zip(got, schedule)):
+            if not 0 <= s < len(schedule):
+                raise ValueError(f"an order runs {a} of stage {s}, but the schedule has {len(schedule)} stages")
+    for s, (mine, want) in enumerate(zip(per_stage(orders, len(schedule)), schedule)):
         if mine != want:
             raise ValueError(f"the orders run stage {s}'s actions as {' '.join(map(str, mine))}, the schedule as "
                              f"{' '.join(map(str, want))}")
