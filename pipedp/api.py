@@ -15,12 +15,11 @@ from .engine import Engine
 from .optimizer import OptimizerSpec
 from .options import (
     DEFAULT_BUCKET_MB, ConcurrencyOptions, GradHook, DataParallelOptions, KernelOptions, MicrobatchSpec, PipelineOptions,
-    RecomputeSpec, TrainingOptions,
+    RecomputeSpec, StagesSpec, TrainingOptions,
 )
 from .partition.report import CutReport, inspect_cut
 from .partition.threads import ThreadsSpec
 from .snapshot import forked_rng
-from .decide.cut import StagesSpec
 from .step import LossFn
 
 if TYPE_CHECKING:

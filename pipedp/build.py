@@ -27,7 +27,7 @@ from torch import nn
 from .comm import Communicator
 from .decide.choose import decide, microbatch_choices
 from .decide.coupling import batch_coupled, contract, kept_note, resolve_microbatches
-from .decide.cut import build_plan, stage_devices
+from .decide.cut import build_plan
 from .decide.config import Config
 from .decide.cache import PlanCache, default_folder
 from .decide.decision import Decision
@@ -35,13 +35,16 @@ from .decide.fingerprint import Fingerprint, fingerprint
 from .decide.reuse import Planned, reuse_or_decide
 from .decide.rules import shared_settings
 from .decide.layout import Layout
+from .decide.levers import settle
 from .decide.search import Measure
 from .device import canonical_device
-from .lower import Parts, in_layout, make_executor, set_layout
+from .lower import in_layout, make_executor, set_layout
 from .ops.swap import Swap
 from .options import ConcurrencyOptions, PipelineOptions, TrainingOptions
 from .partition.blocks import Block, CutError, blocks_of
 from .partition.check import check_chain
+from .partition.parts import Parts
+from .partition.profile import BlockProfile
 from .partition.threads import concurrent_times
 from .pipeline import microbatch
 from .pipeline.batchnorm import DeferredBatchNorm, batchnorms_in_several
@@ -53,6 +56,7 @@ from .pipeline.recompute import Recompute
 from .pipeline.stage import Stage
 from .plan import Plan
 from .snapshot import BufferSnapshot
+from .trials.built import BuiltTrials
 
 __all__ = ["Pipeline", "build_pipeline", "sample_batch"]
 
@@ -135,7 +139,7 @@ def build_pipeline(model: nn.Module, batch: torch.Tensor, options: PipelineOptio
     sample = batch[: sizes[0]].to(first)
     parts, uncut = _parts(model, sample, options, comm)
     # Every rank must run the same plan: the first rank decides, the others follow.
-    warm: dict[Config, list[Stage]] = {}  # compiled stages of the deciding rank's trials, to reuse
+    warm: dict[Config, Sequence[object]] = {}  # compiled stages of the deciding rank's trials, to reuse
     was = kernels.on if kernels is not None else False
     # The cache holds decisions timed on the machine's own clock: not those of an injected one or of pp="auto".
     cache = _plan_cache(options) if measure is None and given is None else None
@@ -143,7 +147,8 @@ def build_pipeline(model: nn.Module, batch: torch.Tensor, options: PipelineOptio
     def plan() -> Planned:  # on the deciding rank only: the others receive its profiles, decision and record
         return reuse_or_decide(
             lambda: decide(parts, model, sample, batch, devices, options, comm, training, concurrency, measure,
-                           warm=warm, given=given, kernels=kernels, coupled=coupled),
+                           warm=warm, given=given, kernels=kernels, coupled=coupled,
+                           trials=BuiltTrials(model, parts, batch, devices, options, comm, training, concurrency)),
             _fingerprint(model, batch, devices, options, comm, training, concurrency, kernels),
             [b.name for b in parts.blocks], saved, cache)
 
@@ -153,36 +158,38 @@ def build_pipeline(model: nn.Module, batch: torch.Tensor, options: PipelineOptio
         if kernels is not None:  # trials may have switched them: as wrap left them
             kernels.use(was)
         raise
-    if kernels is not None:  # every rank runs the kernels the decision names (trials may have switched them)
-        kernels.use(decision.kernels)
     if training.channels_last == "auto":  # trials may have left the model in either layout
         set_layout(model, decision.channels_last)
+    notes = [*uncut, *kept_note(options.microbatches, options.stages, coupled, comm.pp)]
+    decision = settle(replace(decision, notes=(*notes, *decision.notes)), options, training, concurrency, devices,
+                      comm.pp, comm.world // comm.pp)
+    return lower_pipeline(model, parts, profiles, decision, record, batch, comm, step=step, kernels=kernels,
+                          coupled=coupled, reuse=warm.get(decision.config))
+
+
+def lower_pipeline(model: nn.Module, parts: Parts, profiles: Sequence[BlockProfile], decision: Decision,
+                   record: dict[str, Any], batch: torch.Tensor, comm: Communicator, *, step: int = 0,
+                   kernels: Swap | None = None, coupled: str | None = None,
+                   reuse: Sequence[Stage] | None = None) -> Pipeline:
+    """The pipeline a settled ``decision`` describes (:func:`~pipedp.decide.levers.settle`), built from it alone.
+
+    Nothing here reads the options: the cut, the places, the schedule and
+    every lever come from the decision, which every rank holds the same.
+    """
+    levers = decision.settled
+    if kernels is not None:  # every rank runs the kernels the decision names (trials may have switched them)
+        kernels.use(decision.kernels)
     counts = list(decision.counts)
-    notes = [*uncut, *kept_note(options.microbatches, options.stages, coupled, comm.pp), *decision.notes]
+    devices = list(dict.fromkeys(d for r, d in decision.places if r == comm.pp_rank))
     # The deciding rank's microbatches, as this rank's batch runs them (a small one with fewer, as every step).
     sizes = microbatch.sizes(batch.shape[0], microbatch.count(batch.shape[0], decision.microbatches))
-    bad = [i for i in training.recompute if i >= len(counts)] if not isinstance(training.recompute, bool) else []
-    if bad:  # checked on the cut, not on the trial cuts of stages="auto"
-        raise ValueError(
-            f"recompute names stage(s) {bad} but the pipeline has {len(counts)} stage(s) (0..{len(counts) - 1}): "
-            f"pass indices of existing stages, or recompute=True for all"
-        )
-    if comm.pp > 1:
-        _check_shared_within_ranks(model, parts.blocks, counts, comm.pp)
-    per_rank = len(counts) // comm.pp
-    if len(devices) > 1:
-        notes = notes + [f"blocks were profiled on {first}; the other devices are assumed alike"]
-    used = len(set(stage_devices(per_rank, devices)))
-    if used < len(devices):
-        notes = notes + [f"{per_rank} stage(s) per rank use {used} of {len(devices)} devices"]
-    executor, transport = make_executor(parts, counts, decision.microbatches, devices, options, comm,
-                                        profiles=profiles, step=step, training=training,
-                                        compile=decision.compiled, threads=decision.threads,
-                                        reuse=warm.get(decision.config), schedule=decision.schedule)
+    if decision.pp > 1:
+        _check_shared_within_ranks(model, parts.blocks, counts, [r for r, _ in decision.places])
+    executor, transport = make_executor(parts, decision, comm, profiles=profiles, step=step, reuse=reuse)
     plan = build_plan(
         profiles, decision, devices, microbatch_size=sizes[0], schedule=decision.schedule,
-        batchnorm=options.batchnorm, source=decision.source, notes=notes,
-        ranks=comm.pp, layout=comm.describe(), contract=contract(decision.microbatches, coupled),
+        batchnorm=levers.batchnorm, source=decision.source, notes=decision.notes, ranks=decision.pp,
+        layout=comm.describe(), contract=contract(decision.microbatches, coupled),
     )
     if decision.threads is not None:
         shared = batchnorms_in_several([st.chain for st in executor.stages])
@@ -192,14 +199,13 @@ def build_pipeline(model: nn.Module, batch: torch.Tensor, options: PipelineOptio
                              f"(stages=[block counts]) that keeps each BatchNorm's uses in one stage")
         plan = plan.with_threads(list(decision.threads), *concurrent_times(profiles, counts, decision.schedule,
                                                                            decision.microbatches))
-    deferred = _batchnorm(model, executor, options)
+    deferred = _batchnorm(model, executor, levers.batchnorm)
     for st in executor.stages:
         if isinstance(st.body, Recompute) and deferred is not None:
             st.body.paused.append(deferred)  # a recomputed forward must not record statistics again
     sync = comm.grad_sync(executor.stages)
     # Last (nothing after it can fail), after profiling and trials, which time the model as it is.
-    concurrent = (install(executor, concurrency)  # unless stages="auto" trials found the plan faster without
-                  if concurrency is not None and concurrency.any and decision.concurrent else None)
+    concurrent = install(executor, levers) if levers.branches or levers.split_grads else None
     if concurrent is not None:
         concurrent.connect(executor, sync)
         plan = replace(plan, notes=(*plan.notes, *concurrent.notes()))
@@ -253,32 +259,32 @@ def _parts(model: nn.Module, sample: torch.Tensor, options: PipelineOptions,
         return whole, [f"stages=auto: one stage ({e.reason}); to cut it, {e.fix}"]
 
 
-def _batchnorm(model: nn.Module, executor: Executor, options: PipelineOptions) -> DeferredBatchNorm | None:
+def _batchnorm(model: nn.Module, executor: Executor, mode: str) -> DeferredBatchNorm | None:
     """Deferred statistics: all of them for ``batchnorm="batch"``, else those of BatchNorms used by several stages.
 
     A BatchNorm whose uses lie in one stage is updated in plain order by the
     stage itself; uses in several stages would be updated stage by stage.
     """
     chains = [st.chain for st in executor.stages]
-    if options.batchnorm == "batch":
+    if mode == "batch":
         return DeferredBatchNorm(model, chains)
     split = batchnorms_in_several(chains)
     return DeferredBatchNorm(model, chains, per_microbatch=True, only=split) if split else None
 
 
-def _check_shared_within_ranks(model: nn.Module, blocks: Sequence[Block], counts: Sequence[int], ranks: int) -> None:
+def _check_shared_within_ranks(model: nn.Module, blocks: Sequence[Block], counts: Sequence[int],
+                               rank_of: Sequence[int]) -> None:
     """Refuse a cut that puts uses of one parameter or buffer on different pipeline ranks.
 
     Each pipeline rank trains its own copy of the model's tensors; a tensor
     used on two ranks would get two partial gradients and drift apart.
     """
-    per_rank = len(counts) // ranks
     users: dict[int, list[tuple[str, int, int]]] = {}  # tensor id -> (block, stage, rank) of each use
     start = 0
     for s, k in enumerate(counts):
         for b in blocks[start : start + k]:
             for tid in dict.fromkeys(id(t) for t in (*b.module.parameters(), *b.module.buffers())):
-                users.setdefault(tid, []).append((b.name, s, s // per_rank))
+                users.setdefault(tid, []).append((b.name, s, rank_of[s]))
         start += k
     names = {id(t): n for n, t in (*model.named_parameters(), *model.named_buffers())}
     for tid, uses in users.items():

@@ -7,7 +7,7 @@ from typing import Any, Sequence, Union
 import torch
 from torch import nn
 
-__all__ = ["parse_device", "resolve_devices", "canonical_device", "DeviceSpec"]
+__all__ = ["parse_device", "resolve_devices", "canonical_device", "sync_devices", "DeviceSpec"]
 
 DeviceSpec = Union[None, str, int, torch.device, Sequence[Union[str, int, torch.device]]]
 
@@ -65,3 +65,10 @@ def resolve_devices(model: nn.Module, devices: DeviceSpec) -> list[torch.device]
             f"(several stages share a device on their own when stages > len(devices))"
         )
     return out
+
+
+def sync_devices(devices: Sequence[torch.device]) -> None:
+    """Wait for every CUDA device in ``devices`` (a no-op on CPUs)."""
+    for d in devices:
+        if d.type == "cuda":
+            torch.cuda.synchronize(d)

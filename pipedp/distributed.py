@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .checks import positive_int, positive_number
+from .defaults import DEFAULT_TIMEOUT_S
 
 __all__ = [
     "Layout", "resolve_layout", "check_backend", "missing_ranks", "missing_note", "DistributedError",
@@ -28,7 +29,6 @@ __all__ = [
     "barrier", "all_reduce",
 ]
 
-DEFAULT_TIMEOUT_S = 600.0
 
 
 class DistributedError(RuntimeError):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import os
 import statistics
-import warnings
 import weakref
 from typing import Any, Mapping, Sequence
 
@@ -26,6 +25,7 @@ from .build import Pipeline, build_pipeline, sample_batch
 from .checks import positive_int
 from .comm import communicator
 from .device import resolve_devices
+from .decide.decision import Decision
 from .decide.record import from_record
 from .decide.rules import check_rules
 from .distributed import Layout
@@ -43,8 +43,8 @@ from .pipeline.gradsync import SyncStats
 from .pipeline.trace import Clock
 from .plan import Plan
 from .precision import LossScaler
-from .restore import EngineEntry, check_checkpoint, check_run_state, undo_on_failure
-from .snapshot import forked_rng, rng_state, set_rng_state
+from .restore import EngineEntry, apply_run_state, check_checkpoint, check_run_state, undo_on_failure
+from .snapshot import forked_rng, rng_state
 from .step import LossFn, StepRunner, loss_reduction
 from .update import GradientStep
 from .watch import ModelWatch
@@ -154,6 +154,11 @@ class Engine:
         return self._pipe.decision.schedule if self._pipe is not None else self.options.schedule
 
     @property
+    def decision(self) -> Decision | None:
+        """Everything the plan resolved, frozen: the cut, schedule, places and levers (None until planned)."""
+        return self._pipe.decision if self._pipe is not None else None
+
+    @property
     def layout(self) -> Layout | None:
         """This rank's place under ``torch.distributed`` (None in a single process)."""
         return self.comm.layout
@@ -210,15 +215,15 @@ class Engine:
             raise RuntimeError("train_step needs wrap(..., optimizer=..., loss_fn=...)")
         if self._runner is None:
             pipe = self._pipe if self._pipe is not None else self._build(x)
-            grads = GradientStep.of(pipe.executor.stages, self.comm, self.scaler, self.training_options.clip_grad_norm,
-                                    self.training_options.grad_hook)
+            levers = pipe.decision.settled  # from here on the decision, never the options
+            grads = GradientStep.of(pipe.executor.stages, self.comm, self.scaler, levers.clip_grad_norm,
+                                    levers.grad_hook)
             early = None
-            if self.concurrency_options.early_update:
+            if levers.early_update:
                 ex, side = pipe.executor, pipe.concurrency
                 early = EarlyUpdate(self.optimizer, ex.stages, ex.train_order,
                                     {st.index: side.lanes(st.index) for st in ex.stages} if side is not None else None)
-            self._runner = StepRunner(self.module, pipe, self.optimizer, self.loss_fn, self.comm, self.options, grads,
-                                      early)
+            self._runner = StepRunner(self.module, pipe, self.optimizer, self.loss_fn, self.comm, grads, early)
         return self._runner
 
     # -- public API -----------------------------------------------------------------------------
@@ -301,7 +306,7 @@ class Engine:
         trace_path, self._trace_path = self._trace_path, None
         # A small batch's step (fewer microbatches) is not one the plan's per-microbatch times describe.
         full = microbatch.count(x.shape[0], runner.microbatches) == runner.microbatches
-        measuring = 1 <= self.steps <= self.options.measure_steps and full
+        measuring = 1 <= self.steps <= runner.pipe.decision.settled.measure_steps and full
         clock = Clock(ex.devices) if trace_path is not None else None
         timer = StepTimer(len(ex.stages), clock) if measuring or clock is not None else None
         kept: list[Any] | None = [] if return_outputs else None
@@ -402,23 +407,8 @@ class Engine:
         self._apply_run_state(check_run_state(state, CHECKPOINT_FORMAT))
 
     def _apply_run_state(self, entry: EngineEntry) -> None:
-        rank, world = self.comm.rank, self.comm.world
-        if entry.rng is not None and len(entry.rng) == world:
-            set_rng_state(entry.rng[rank])
-        self.steps = entry.steps
-        if self.scaler is not None:  # checked; a checkpoint without one starts from the initial scale
-            self.scaler.load_state_dict(entry.scaler)
-        if entry.plan is not None and self._pipe is not None and entry.plan != self._pipe.decision.config:
-            warnings.warn(
-                f"the checkpoint was trained with the plan {entry.plan.label}, this engine runs "
-                f"{self._pipe.decision.config.label}: to resume with the saved plan, pass "
-                f"decision=checkpoint['engine']['decision'] to wrap()", stacklevel=3)
-        if entry.rng is not None and len(entry.rng) != world:
-            warnings.warn(
-                f"the checkpoint holds RNG states of {len(entry.rng)} rank(s), this run has {world}: RNG states "
-                f"are not restored, so random augmentation/dropout will not continue the saved streams",
-                stacklevel=3,
-            )
+        self.steps = apply_run_state(entry, self.comm.rank, self.comm.world, self.scaler,
+                                     self._pipe.decision.config if self._pipe is not None else None)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`: model, optimizer, step and this rank's RNG states.

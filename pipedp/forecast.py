@@ -29,7 +29,9 @@ from torch import nn
 from .atomic import write_text
 from .decide.layout import ASSUMPTIONS, BlockCosts, Prediction, rank
 from .decide.links import NAMED, Link, parse_link
-from .lower import measurable, surrogate_loss, sync_devices
+from .device import sync_devices
+from .lower import surrogate_loss
+from .partition.parts import measurable
 from .partition.blocks import blocks_of, module_mode
 from .partition.check import check_chain
 from .partition.profile import BlockProfile, profile_blocks

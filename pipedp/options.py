@@ -14,15 +14,12 @@ from typing import TYPE_CHECKING, Callable, Literal, Sequence, Union
 
 import torch
 
-from .device import DeviceSpec
 from .checks import non_negative_int, one_of, positive_int, positive_number
-from .distributed import DEFAULT_TIMEOUT_S
-from .ops.swap import KERNEL_MODES
+from .defaults import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT_S, KERNEL_MODES
+from .device import DeviceSpec
 from .partition.threads import ThreadsSpec, check_threads
-from .pipeline.gradsync import DEFAULT_BUCKET_BYTES
 from .pipeline.orders import PER_RANK, check_schedule
 from .pipeline.schedule import SPLIT
-from .decide.cut import StagesSpec
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -36,6 +33,7 @@ __all__ = [
 BATCHNORM_MODES = ("microbatch", "batch")
 PRECISIONS = ("fp32", "bf16", "fp16")
 RecomputeSpec = Union[bool, Sequence[int]]
+StagesSpec = Union[int, str, Sequence[int]]  # "auto", a stage count, or blocks per stage
 GradHook = Callable[[Sequence[torch.nn.Parameter]], None]  # this rank's parameters, gradients final
 MicrobatchSpec = Union[int, Literal["auto"], None]
 DEFAULT_MICROBATCHES = 4  # what microbatches=None gives a given stage count where no layer couples the batch

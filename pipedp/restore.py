@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
@@ -29,10 +30,10 @@ from torch import nn
 
 from .decide.config import Config
 from .decide.record import RecordError, from_record
-from .precision import check_scaler_state
+from .precision import LossScaler, check_scaler_state
 from .snapshot import rng_state, set_rng_state
 
-__all__ = ["EngineEntry", "check_checkpoint", "check_run_state", "undo_on_failure"]
+__all__ = ["EngineEntry", "check_checkpoint", "check_run_state", "apply_run_state", "undo_on_failure"]
 
 _RNG_KEYS = {"torch", "cuda", "python", "numpy"}
 _LIST = 4  # differences named in one message
@@ -223,6 +224,31 @@ def check_run_state(entry: Any, newest_format: int) -> EngineEntry:
             raise ValueError(f"the checkpoint's engine entry holds a damaged plan decision ('decision'): {e}") from e
     return EngineEntry(steps=steps, rng=_check_rng(entry.get("rng")), scaler=check_scaler_state(entry.get("scaler")),
                        plan=plan)
+
+
+def apply_run_state(entry: EngineEntry, rank: int, world: int, scaler: LossScaler | None,
+                    running: Config | None) -> int:
+    """Put a checked entry's RNG states (this rank's) and loss scale back; returns its step count.
+
+    ``running``: the plan the engine runs, warned about when the checkpoint
+    was trained with another.
+    """
+    if entry.rng is not None and len(entry.rng) == world:
+        set_rng_state(entry.rng[rank])
+    if scaler is not None:  # checked; a checkpoint without one starts from the initial scale
+        scaler.load_state_dict(entry.scaler)
+    if entry.plan is not None and running is not None and entry.plan != running:
+        warnings.warn(
+            f"the checkpoint was trained with the plan {entry.plan.label}, this engine runs "
+            f"{running.label}: to resume with the saved plan, pass "
+            f"decision=checkpoint['engine']['decision'] to wrap()", stacklevel=4)
+    if entry.rng is not None and len(entry.rng) != world:
+        warnings.warn(
+            f"the checkpoint holds RNG states of {len(entry.rng)} rank(s), this run has {world}: RNG states "
+            f"are not restored, so random augmentation/dropout will not continue the saved streams",
+            stacklevel=4,
+        )
+    return entry.steps
 
 
 @contextlib.contextmanager

@@ -31,7 +31,6 @@ from torch import nn
 from .build import Pipeline
 from .comm import Communicator
 from .distributed import DistributedError
-from .options import PipelineOptions
 from .pipeline import microbatch
 from .pipeline.early_update import EarlyUpdate
 from .pipeline.executor import StepTimer
@@ -76,17 +75,17 @@ class StepRunner:
     """Runs training steps of ``pipe`` for ``model`` with ``optimizer`` and ``loss_fn``."""
 
     def __init__(self, model: nn.Module, pipe: Pipeline, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
-                 comm: Communicator, options: PipelineOptions, grads: GradientStep | None = None,
-                 early: EarlyUpdate | None = None) -> None:
+                 comm: Communicator, grads: GradientStep | None = None, early: EarlyUpdate | None = None) -> None:
         self.model, self.pipe, self.optimizer, self.loss_fn = model, pipe, optimizer, loss_fn
         self.reduction = loss_reduction(loss_fn)
         self.comm, self.microbatches = comm, pipe.microbatches  # the plan's choice ("auto" resolved)
         self.grads = grads if grads is not None else GradientStep((), comm)
-        self.graph = StepGraph(self.graph_body) if options.cuda_graph else None
+        levers = pipe.decision.settled  # the plan's CUDA graph and rollback, never the options
+        self.graph = StepGraph(self.graph_body) if levers.cuda_graph else None
         self.early = early  # per-stage updates issued during the backward
         # An early update may fail anywhere in the step: it copies before every step's first forward.
-        self.before_update = UpdateSnapshot(optimizer) if options.rollback and early is not None else None
-        self.rollback = Rollback(optimizer) if options.rollback and early is None else None
+        self.before_update = UpdateSnapshot(optimizer) if levers.rollback and early is not None else None
+        self.rollback = Rollback(optimizer) if levers.rollback and early is None else None
         self.updates: list[tuple] = []  # the last traced step's optimizer marks
         self.replayed = False  # whether the last step was a graph replay (no per-stage timings)
         self.pending = 0  # calls with update=False since the last update: their gradients are held

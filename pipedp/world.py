@@ -41,7 +41,7 @@ from torch import nn
 from .decide.layout import BlockCosts, Layout, Prediction, predict, rank
 from .decide.links import Link
 from .decide.probe import probe_allreduce, probe_p2p
-from .lower import sync_devices
+from .device import sync_devices
 
 __all__ = ["WorldRow", "WorldChoice", "Trial", "finalists", "pick", "choose_world", "window_ms", "FINALISTS",
            "WITHIN"]

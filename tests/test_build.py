@@ -62,7 +62,7 @@ def test_a_step_runner_over_a_built_pipeline_equals_plain_training():
     opts = PipelineOptions(microbatches=2, stages=2, profile=False)
     pipe = build_pipeline(model, batches[0][0], opts, CPU, Local())
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    runner = StepRunner(model, pipe, opt, nn.CrossEntropyLoss(), Local(), opts)
+    runner = StepRunner(model, pipe, opt, nn.CrossEntropyLoss(), Local())
     for i, (x, y) in enumerate(batches):
         runner.step(x, y, i)
     plain_steps(ref, batches, microbatches=2)
@@ -134,7 +134,7 @@ def test_compiled_stages_train_as_eager_stages():
     opts = PipelineOptions(microbatches=2, stages=2, profile=False)
     pipe = build_pipeline(model, batches[0][0], opts, CPU, Local(), training=TrainingOptions(compile=True))
     runner = StepRunner(model, pipe, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                        nn.CrossEntropyLoss(), Local(), opts)
+                        nn.CrossEntropyLoss(), Local())
     for i, (x, y) in enumerate(batches):
         runner.step(x, y, i)
     assert all(type(st.body).__name__ == "OptimizedModule" for st in pipe.executor.stages)
@@ -185,7 +185,7 @@ def test_auto_falls_back_to_the_bar_which_trains_exactly_as_plain_pytorch():
     pipe = build_pipeline(model, batches[0][0], opts, CPU, Local(), measure=_clock({"plain": 10.0, "1x2": 9.9}))
     assert pipe.plan.counts == [9] and pipe.plan.microbatches == 1 and pipe.plan.label == "1x1"
     runner = StepRunner(model, pipe, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                        nn.CrossEntropyLoss(), Local(), opts)
+                        nn.CrossEntropyLoss(), Local())
     for i, (x, y) in enumerate(batches):
         runner.step(x, y, i)
     plain_steps(ref, batches, microbatches=1)
@@ -266,8 +266,8 @@ def test_on_a_cpu_the_concurrency_pieces_are_kept_as_asked_without_a_trial():
 
 def test_a_concurrent_trial_times_the_pieces_and_puts_the_model_back():
     from pipedp.decide import Config
-    from pipedp.decide.clocks import DeviceClock
-    from pipedp.lower import Parts
+    from pipedp.partition.parts import Parts
+    from pipedp.trials.clock import DeviceClock
     from pipedp.models import resnet18
     from pipedp.options import ConcurrencyOptions
     from pipedp.partition.blocks import blocks_of

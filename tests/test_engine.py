@@ -607,3 +607,41 @@ def test_a_script_that_saves_its_own_checkpoint_resumes_exactly_with_the_run_sta
     with pytest.raises(ValueError, match="steps=-1"):
         b.load_run_state({**mine["pipedp"], "steps": -1})
     assert b.steps == 5
+
+
+class _Poisoned:
+    """Stands in for an options group once the decision is made: any read fails the test."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def __getattr__(self, name):
+        raise AssertionError(f"{self.group}.{name} was read after the decision was made")
+
+
+def test_after_the_decision_nothing_reads_the_options():
+    levers = dict(stages=2, microbatches=2, batchnorm="batch", recompute=[1], branches=True,
+                  split_grads=True, early_update=True, rollback=True, measure_steps=2, progress=False,
+                  plan_cache=False)
+    batches = data(n=8, steps=3)
+    trained = []
+    for poison in (False, True):
+        torch.manual_seed(0)
+        model = resnet18(width=8)  # BatchNorm and downsample shortcuts: every lever above has work to do
+        engine = pipedp.wrap(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                             loss_fn=nn.CrossEntropyLoss(), sample=batches[0][0].shape, **levers)
+        if poison:
+            engine.options = _Poisoned("pipeline")
+            engine.training_options = _Poisoned("training")
+            engine.concurrency_options = _Poisoned("concurrency")
+        for x, y in batches:
+            engine.train_step(x, y)
+        engine(batches[0][0])
+        trained.append(model)
+        d = engine.decision
+        assert d.levers.batchnorm == "batch" and d.levers.recompute == (1,) and d.levers.early_update
+        assert d.levers.branches and d.levers.split_grads and d.levers.rollback
+        assert [r for r, _ in d.places] == [0, 0] and (d.pp, d.dp) == (1, 1)
+        assert type(engine.executor.stages[1].body).__name__ == "Recompute"
+        assert len(engine.plan.stages) == 2 and any("early_update" in n for n in engine.plan.notes)
+    assert max_diff(*trained) == 0.0  # the same steps, whether or not the options could still be read

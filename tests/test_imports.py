@@ -185,3 +185,48 @@ def test_training_loads_no_compiler_and_no_experiments(tmp_path):
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "loaded: []" in done.stdout, done.stdout
+
+
+# The planner (pipedp.decide) and the runtime import each other nowhere: decide weighs plans through the protocols
+# of pipedp.decide.measuring, which pipedp.trials implements on the lowering. The runtime is the lowering, the build,
+# the step, the engine, the trials and every pipeline module but the schedules-as-data the planner simulates.
+SCHEDULE_DATA = {"schedule", "simulate", "orders", "deps", "microbatch", "ranks", "zero_bubble", "interleaved"}
+RUNTIME = ("pipedp.lower", "pipedp.build", "pipedp.step", "pipedp.engine", "pipedp.api", "pipedp.trials",
+           "pipedp.world", "pipedp.world_auto", "pipedp.comm")
+
+
+# The options (the user's request) validate against names kept below both sides (pipedp.defaults).
+OPTIONS_NEVER = ("pipedp.decide", "pipedp.distributed", "pipedp.ops")
+
+
+def _runtime(name: str) -> bool:
+    if _under(name, *RUNTIME):
+        return True
+    parts = name.split(".")
+    return parts[:2] == ["pipedp", "pipeline"] and len(parts) > 2 and parts[2] not in SCHEDULE_DATA
+
+
+def _layer_violations(rel: str, source: str) -> list[str]:
+    importer = _module_of(rel)[0]
+    found = []
+    for line, target, _ in _imports(rel, source):
+        if _under(importer, "pipedp.decide") and _runtime(target) and target != "pipedp.pipeline":
+            found.append(f"{rel}:{line}: the planner imports the runtime ({target})")
+        elif _runtime(importer) and _under(importer, "pipedp.pipeline") and _under(target, "pipedp.decide"):
+            found.append(f"{rel}:{line}: the runtime imports the planner ({target})")
+        elif importer == "pipedp.options" and (_runtime(target) or _under(target, *OPTIONS_NEVER)):
+            found.append(f"{rel}:{line}: the options import the runtime or the planner ({target})")
+    return sorted(set(found))
+
+
+def test_the_planner_and_the_runtime_import_each_other_nowhere_and_the_options_neither():
+    found = [v for rel in _files() if rel.startswith("pipedp/")
+             for v in _layer_violations(rel, (ROOT / rel).read_text(encoding="utf-8"))]
+    assert not found, "\n".join(found)
+    # The check sees both directions.
+    assert _layer_violations("pipedp/decide/new.py", "from ..lower import make_executor\n")
+    assert _layer_violations("pipedp/decide/new.py", "from ..pipeline.executor import Executor\n")
+    assert not _layer_violations("pipedp/decide/new.py", "from ..pipeline.orders import rank_orders\n")
+    assert _layer_violations("pipedp/pipeline/new.py", "from ..decide.cut import stage_places\n")
+    assert _layer_violations("pipedp/options.py", "from .ops.swap import KERNEL_MODES\n")
+    assert not _layer_violations("pipedp/options.py", "from .defaults import KERNEL_MODES\n")

@@ -4,8 +4,12 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from pipedp.comm import Local
-from pipedp.lower import Parts, make_executor
-from pipedp.options import PipelineOptions
+from pipedp.decide.config import Config
+from pipedp.decide.decision import Decision
+from pipedp.decide.levers import settle
+from pipedp.lower import make_executor
+from pipedp.partition.parts import Parts
+from pipedp.options import PipelineOptions, TrainingOptions
 from pipedp.partition.blocks import blocks_of
 from pipedp.partition.check import check_chain
 
@@ -21,8 +25,9 @@ def test_a_compiled_stage_keeps_static_shapes_for_each_microbatch_size():
     model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
     x = torch.randn(8, 6)
     blocks = blocks_of(model)
-    executor, _ = make_executor(Parts(blocks, check_chain(model, blocks, x[:2])), [len(blocks)], 1,
-                                [torch.device("cpu")], PipelineOptions(), Local(), compile=True, schedule="1f1b")
+    decision = settle(Decision(Config((len(blocks),), 1, compiled=True)), PipelineOptions(), TrainingOptions(), None,
+                      [torch.device("cpu")], pp=1)
+    executor, _ = make_executor(Parts(blocks, check_chain(model, blocks, x[:2])), decision, Local())
     (stage,) = executor.stages
     before = counters["stats"]["unique_graphs"]
     for n in (8, 4, 2, 8):

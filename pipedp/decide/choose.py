@@ -23,18 +23,15 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from ..comm import Communicator
-from ..lower import Parts, measurable
 from ..ops.swap import Swap
 from ..options import ConcurrencyOptions, PipelineOptions, TrainingOptions
 from ..partition.blocks import module_mode
+from ..partition.parts import Parts, measurable
 from ..partition.balance import balance
 from ..partition.profile import BlockProfile, estimate_blocks, profile_blocks
 from ..partition.threads import concurrent_cpu
 from ..pipeline import microbatch
-from ..pipeline.stage import Stage
 from ..snapshot import preserved_state
-from .clocks import DeviceClock
 from .config import Config
 from .coupling import Resolved, resolve_microbatches
 from .cpu import decide_cpu
@@ -43,6 +40,7 @@ from .decision import Decision
 from .schedules import AUTO, choose_schedule, fixed
 from .hazards import channels_last_hazard
 from .layout import Layout
+from .measuring import Clock, Trials, World
 from .search import Budget, Measure, Space, allowed, search
 
 __all__ = ["decide", "microbatch_choices", "timed", "COMPILE_S_PER_LEAF"]
@@ -122,15 +120,18 @@ def _space(parts: Parts, profiles: Sequence[BlockProfile], model: nn.Module, dev
 
 
 def decide(parts: Parts, model: nn.Module, sample: torch.Tensor, batch: torch.Tensor,
-           devices: Sequence[torch.device], options: PipelineOptions, comm: Communicator,
+           devices: Sequence[torch.device], options: PipelineOptions, comm: World,
            training: TrainingOptions, concurrency: ConcurrencyOptions | None = None,
            measure: Measure | None = None, now: Callable[[], float] = time.perf_counter,
-           warm: dict[Config, list[Stage]] | None = None,
+           warm: dict[Config, Sequence[object]] | None = None,
            given: Layout | None = None, kernels: Swap | None = None,
-           coupled: str | None = None) -> tuple[list[BlockProfile], Decision]:
+           coupled: str | None = None, trials: Trials | None = None) -> tuple[list[BlockProfile], Decision]:
     """Profile the blocks and choose everything (on the deciding rank; the others follow).
 
-    ``measure`` replaces the device clock of the timed trials (tests), and
+    ``trials``: the clocks that run a configuration as the build would
+    (:mod:`pipedp.trials`), needed where the plan is timed (``stages="auto"``
+    on one device, or ``threads`` set). ``measure`` replaces the device
+    clock of the timed trials (tests), and
     ``now`` the clock of the budget and of the planning seconds. ``warm``
     receives the compiled stages the trials made, per configuration, so the
     build of a compiled plan compiles nothing again. ``given``: the layout
@@ -181,17 +182,17 @@ def decide(parts: Parts, model: nn.Module, sample: torch.Tensor, batch: torch.Te
                                  f"it was chosen)",), schedule=given.schedule)
         elif threaded:
             channels_last = training.channels_last is True
-            profiles, decision = decide_cpu(parts, blocks, profiles, sample, batch, options, comm, training,
-                                            choices, channels_last, compiled=training.compile is True)
+            profiles, decision = decide_cpu(parts, blocks, profiles, sample, batch, options,
+                                            _needed(trials).thread_plan_ms, choices, channels_last,
+                                            compiled=training.compile is True)
             decision = replace(decision, schedule=fixed(options.schedule))
         elif by_trials:
-            clock = measure if measure is not None else DeviceClock(
-                model, parts, batch, devices, options, comm, training, concurrency,
-                kernels=kernels.use if kernels is not None and levers != (False,) else None)
+            owned = None if measure is not None else _needed(trials).clock(
+                kernels.use if kernels is not None and levers != (False,) else None)
             hazard = channels_last_hazard(model, devices[0], batch) if training.channels_last == "auto" else None
             decision = _timed(_space(parts, profiles, model, devices[0], choices, training, concurrency, hazard,
                                      levers, _kept_whole(options, coupled, batch.shape[0])),
-                              clock, budget, options, devices[0], warm)
+                              owned if owned is not None else measure, budget, options, devices[0], warm, owned)
             decision = replace(decision, notes=(*decision.notes, *(n for n in (hazard, _serial(devices[0])) if n)),
                                schedule=fixed(options.schedule))
             if pieces and devices[0].type != "cuda":  # not timed (a CPU runs them in order): as the user asked
@@ -209,9 +210,16 @@ def decide(parts: Parts, model: nn.Module, sample: torch.Tensor, batch: torch.Te
                                    source="profile" if measured else "cost model")
 
 
+def _needed(trials: Trials | None) -> Trials:
+    if trials is None:
+        raise ValueError("this plan is chosen by timed trials: pass decide(..., trials=) (pipedp.trials.built)")
+    return trials
+
+
 def _timed(space: Space, clock: Measure, budget: Budget, options: PipelineOptions, device: torch.device,
-           warm: dict[Config, list[Stage]] | None) -> Decision:
-    """The search on ``clock``, with a progress bar; the compiled stages its trials made go to ``warm``."""
+           warm: dict[Config, Sequence[object]] | None, owned: Clock | None) -> Decision:
+    """The search on ``clock``, with a progress bar; the stages the trials of ``owned`` (the clock this call
+    made, not an injected one) made go to ``warm``, and it is closed."""
     bar = tqdm(desc=f"pipedp: timing plans (budget {options.plan_budget_s:g} s)", unit="trial", delay=1.0,
                disable=not options.progress, leave=False)
 
@@ -223,10 +231,10 @@ def _timed(space: Space, clock: Measure, budget: Budget, options: PipelineOption
         return search(space, clock, budget, where=str(device), report=report)
     finally:
         bar.close()
-        if isinstance(clock, DeviceClock):
+        if owned is not None:
             if warm is not None:
-                warm.update(clock.stages)
-            clock.close()
+                warm.update(owned.stages)
+            owned.close()
 
 
 def _kept_whole(options: PipelineOptions, coupled: str | None, batch: int) -> int | None:
@@ -245,7 +253,7 @@ def _serial(device: torch.device) -> str | None:
 
 
 def _predicted(profiles: Sequence[BlockProfile], options: PipelineOptions, devices: Sequence[torch.device],
-               comm: Communicator, training: TrainingOptions, choices: Sequence[int], batch: int,
+               comm: World, training: TrainingOptions, choices: Sequence[int], batch: int,
                spec: Resolved) -> Decision:
     """The plan from the profiles alone (a given cut, several devices, pipeline ranks)."""
     if options.schedule == AUTO:

@@ -1,9 +1,9 @@
 """Concurrent CPU stages (``threads`` set): cut, threads per stage and microbatches by measured steps.
 
 The model of each block's time against its thread count and the refinement
-on measured steps live in :mod:`pipedp.partition.threads`; here a candidate
-plan becomes a real executor, kept warm so a plan timed again runs warm (a
-first step also allocates; every plan's first step pays that alike).
+on measured steps live in :mod:`pipedp.partition.threads`; the steps are
+timed through the trials' clock (:mod:`pipedp.trials.built`), which runs a
+candidate on the executor the build would make.
 """
 
 from __future__ import annotations
@@ -12,12 +12,11 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..comm import Communicator
-from ..lower import Parts, make_executor, trial
-from ..options import PipelineOptions, TrainingOptions
+from ..options import PipelineOptions
 from ..partition.blocks import Block
+from ..partition.parts import Parts
 from ..partition.profile import BlockProfile
-from ..partition.threads import CpuPlan, at_threads, plan_cpu, step_ms
+from ..partition.threads import CpuPlan, at_threads, plan_cpu
 from ..pipeline import microbatch
 from .config import Config
 from .decision import Decision
@@ -27,21 +26,14 @@ __all__ = ["decide_cpu"]
 
 
 def decide_cpu(parts: Parts, blocks: list[Block], profiles: Sequence[BlockProfile], sample: torch.Tensor,
-               batch: torch.Tensor, options: PipelineOptions, comm: Communicator, training: TrainingOptions,
+               batch: torch.Tensor, options: PipelineOptions, measure: Callable[[CpuPlan], float],
                choices: Sequence[int], channels_last: bool, *, compiled: bool = False,
                ) -> tuple[list[BlockProfile], Decision]:
-    """The plan of concurrent CPU stages; the profiles returned are the blocks' times at their planned threads."""
-    runs: dict[CpuPlan, Callable[[], object]] = {}
+    """The plan of concurrent CPU stages; the profiles returned are the blocks' times at their planned threads.
 
-    def measure(plan: CpuPlan) -> float:
-        if plan not in runs:
-            ex, _ = make_executor(parts, list(plan.counts), plan.microbatches, [batch.device], options, comm,
-                                  training=training, threads=plan.threads, schedule=fixed(options.schedule))
-            xs = microbatch.split(batch, plan.microbatches)
-            w = microbatch.shares([t.shape[0] for t in xs])
-            runs[plan] = trial(ex, parts, xs, xs, w)
-        return step_ms(runs[plan], warmup=False)
-
+    ``measure``: ms of a candidate's step, run as the build would run it
+    (:meth:`~pipedp.decide.measuring.Trials.thread_plan_ms`).
+    """
     size = microbatch.sizes(batch.shape[0], max(choices))[0]
 
     def relative(m: int) -> float:  # a microbatch of M's size, over the profiled (smallest) one

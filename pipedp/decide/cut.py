@@ -12,10 +12,11 @@ timings cannot tell.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence, Union
+from typing import Callable, Sequence
 
 import torch
 
+from ..options import StagesSpec
 from ..partition.balance import balance
 from ..partition.profile import BlockProfile
 from ..pipeline import microbatch
@@ -27,11 +28,10 @@ from ..plan import Plan, StagePlan
 from .decision import Decision
 
 __all__ = [
-    "StagesSpec", "stage_devices", "stage_places", "stage_times", "action_durations", "resolve_counts",
+    "stage_devices", "stage_places", "stage_times", "action_durations", "resolve_counts",
     "simulate_plan", "build_plan", "untimed_microbatches", "AUTO_MICROBATCHES", "MAX_TRIAL_STAGES",
 ]
 
-StagesSpec = Union[int, str, Sequence[int]]
 
 ACTION_OVERHEAD_MS = 0.05  # host work per action (events, bookkeeping), a rough constant
 LINK_BYTES_PER_S = 20e9  # nominal device-to-device bandwidth for transfer costs

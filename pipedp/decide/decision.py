@@ -7,8 +7,14 @@ every choice made for them lives here, frozen, and is what every rank runs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
 
 from .config import Config
+
+if TYPE_CHECKING:
+    from .levers import Levers
 
 __all__ = ["Decision"]
 
@@ -32,6 +38,18 @@ class Decision:
     hint: str = ""
     source: str = "profile"  # where the block times came from: "profile" (measured) or "cost model"
     schedule: str = "1f1b"  # the schedule the plan runs: the user's, or the one schedule="auto" chose
+    # Filled by :func:`pipedp.decide.levers.settle` on every rank, before anything is built:
+    levers: Levers | None = None  # precision, BatchNorm mode, CUDA graph, recompute, concurrency pieces, ...
+    places: tuple[tuple[int, torch.device], ...] = ()  # (pipeline rank, device) of each stage
+    pp: int = 1  # pipeline ranks
+    dp: int = 1  # data-parallel replicas
+
+    @property
+    def settled(self) -> Levers:
+        """The levers, once :func:`~pipedp.decide.levers.settle` made the decision whole (else an error)."""
+        if self.levers is None:
+            raise RuntimeError("the decision is not settled: pass it through pipedp.decide.levers.settle first")
+        return self.levers
 
     @property
     def counts(self) -> tuple[int, ...]:

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from ..lower import sync_devices
+from ..device import sync_devices
 from .links import Link, fit
 
 __all__ = ["probe_allreduce", "probe_p2p", "SIZES"]

@@ -15,7 +15,6 @@ from typing import Any, Sequence
 import torch
 
 from ..options import ConcurrencyOptions, PipelineOptions, TrainingOptions
-from ..pipeline.early_update import check_early_update
 
 __all__ = ["check_rules", "shared_settings"]
 
@@ -53,3 +52,21 @@ def shared_settings(*groups: Any) -> dict[str, Any]:
             if not f.metadata.get("local", False):
                 out[f"{type(g).__name__}.{f.name}"] = getattr(g, f.name)
     return out
+
+
+def check_early_update(*, clip: float | None, precision: str, hook: bool = False) -> None:
+    """Refuse what an early, per-stage update cannot do exactly."""
+    if hook:
+        raise ValueError(
+            "early_update=True with grad_hook: the hook sees all of a step's gradients before any update, but an "
+            "early update steps each stage as its backward ends. Pass early_update=False to use grad_hook")
+    if clip is not None:
+        raise ValueError(
+            "early_update=True with clip_grad_norm: clipping scales every gradient by the norm over all of "
+            "them, which is known only after the last stage's backward. Pass early_update=False to clip, or "
+            "clip_grad_norm=None")
+    if precision == "fp16":
+        raise ValueError(
+            "early_update=True with precision='fp16': loss scaling skips a step when any gradient holds "
+            "inf/NaN, which is known only after the whole backward. Use precision='bf16' (no loss scaling) or "
+            "early_update=False")

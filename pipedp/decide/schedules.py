@@ -15,8 +15,9 @@ from typing import Sequence
 
 import torch
 
+from ..options import StagesSpec
 from ..partition.profile import BlockProfile
-from .cut import StagesSpec, resolve_counts, simulate_plan
+from .cut import resolve_counts, simulate_plan
 
 __all__ = ["AUTO", "fixed", "candidates", "layout_schedules", "choose_schedule"]
 

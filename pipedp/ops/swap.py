@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..defaults import KERNEL_MODES
 from .depthwise import depthwise_conv2d, problem_of
 from .layout import layout_of_tensor
 from .records import KernelDbError
@@ -44,7 +45,6 @@ from .runtime import ExportForOtherCpu, KernelChoice, KernelLibrary, default_db,
 
 __all__ = ["TunedDepthwiseConv2d", "is_depthwise", "swap_depthwise", "Swap", "KERNEL_MODES"]
 
-KERNEL_MODES = ("auto", "torch", "tvm")
 log = logging.getLogger(__name__)
 
 

@@ -11,7 +11,7 @@ itself needs the optimizer and is made by the engine
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -21,10 +21,22 @@ from .split_grad import SplitGrads, split_grads
 from .stream import Lane
 
 if TYPE_CHECKING:
-    from ..options import ConcurrencyOptions, TrainingOptions
     from .gradsync import GradSync
 
-__all__ = ["Concurrency", "install"]
+__all__ = ["Concurrency", "Pieces", "install"]
+
+
+class Pieces(Protocol):
+    """Which pieces a plan runs (the decision's levers)."""
+
+    @property
+    def branches(self) -> bool: ...
+
+    @property
+    def split_grads(self) -> bool: ...
+
+    @property
+    def early_update(self) -> bool: ...
 
 
 @dataclass
@@ -73,13 +85,13 @@ class Concurrency:
                 part.undo()
 
 
-def install(executor: Executor, options: ConcurrencyOptions) -> Concurrency:
-    """Swap in the pieces ``options`` asks for on ``executor``'s stages (nothing when all are off)."""
-    done = Concurrency(early_update=options.early_update)
+def install(executor: Executor, pieces: Pieces) -> Concurrency:
+    """Swap in the pieces the plan keeps on ``executor``'s stages (nothing when all are off)."""
+    done = Concurrency(early_update=pieces.early_update)
     try:
-        if options.branches:
+        if pieces.branches:
             done.branches = concurrent_branches(executor.stages)
-        if options.split_grads:
+        if pieces.split_grads:
             done.split = split_grads(executor.stages)
     except BaseException:
         done.undo()

@@ -38,7 +38,7 @@ from .schedule import Action
 from .stage import Stage
 from .stream import Lane, current_lane, new_lane
 
-__all__ = ["EarlyUpdate", "narrowed", "check_early_update"]
+__all__ = ["EarlyUpdate", "narrowed"]
 
 
 class StageSync(Protocol):
@@ -60,24 +60,6 @@ def narrowed(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -
         optimizer.param_groups = groups
         for g, ps in zip(groups, full):
             g["params"] = ps
-
-
-def check_early_update(*, clip: float | None, precision: str, hook: bool = False) -> None:
-    """Refuse what an early, per-stage update cannot do exactly."""
-    if hook:
-        raise ValueError(
-            "early_update=True with grad_hook: the hook sees all of a step's gradients before any update, but an "
-            "early update steps each stage as its backward ends. Pass early_update=False to use grad_hook")
-    if clip is not None:
-        raise ValueError(
-            "early_update=True with clip_grad_norm: clipping scales every gradient by the norm over all of "
-            "them, which is known only after the last stage's backward. Pass early_update=False to clip, or "
-            "clip_grad_norm=None")
-    if precision == "fp16":
-        raise ValueError(
-            "early_update=True with precision='fp16': loss scaling skips a step when any gradient holds "
-            "inf/NaN, which is known only after the whole backward. Use precision='bf16' (no loss scaling) or "
-            "early_update=False")
 
 
 class EarlyUpdate:

@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..device import canonical_device
+from ..partition.parts import tensors_in
 from .ahead import Ahead
 from .cpu_lane import Flight
 from .deps import ACCUMULATES, grad_kinds, needs
@@ -36,7 +37,7 @@ from .stream import Lane, current_lane, new_lane
 from .trace import Clock
 from .weight_grad import anchor
 
-__all__ = ["Executor", "StepTimer", "tensors_in", "GradSyncLike", "StageUpdateLike", "LossFn"]
+__all__ = ["Executor", "StepTimer", "GradSyncLike", "StageUpdateLike", "LossFn"]
 
 
 class StepTimer:
@@ -91,14 +92,6 @@ class StepTimer:
         out = [(s, label, ms(a), ms(b)) for s, label, a, b in self.host_spans]
         out += [(s, label, ms(a, d), ms(b, d)) for s, label, d, a, b in self.events]
         return out
-
-
-def tensors_in(out: Any) -> list[torch.Tensor]:
-    """The tensors inside a stage's output (a tensor, or tuples, lists and dicts of them)."""
-    if isinstance(out, torch.Tensor):
-        return [out]
-    items = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
-    return [t for item in items for t in tensors_in(item)]
 
 
 class Executor:

@@ -69,6 +69,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..defaults import DEFAULT_BUCKET_BYTES
 from ..device import canonical_device
 from ..distributed import DistributedError
 from .stream import Lane, current_lane, new_lane
@@ -76,7 +77,6 @@ from .trace import Clock
 
 __all__ = ["GradSync", "SyncStats", "DEFAULT_BUCKET_BYTES"]
 
-DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb
 FIRST_BUCKET_BYTES = 1024 * 1024  # DDP's first bucket
 _COUNT = "the all-reduce of the local batch sizes"
 

@@ -62,7 +62,7 @@ def test_the_layout_auto_chose_trains_exactly_and_runs_its_batches_in_it():
     pipe = build_pipeline(model, batches[0][0], opts, [torch.device("cpu")], Local(), measure=clock)
     assert pipe.decision.channels_last and pipe.microbatches == 2
     runner = StepRunner(model, pipe, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                        nn.CrossEntropyLoss(), Local(), opts)
+                        nn.CrossEntropyLoss(), Local())
     for i, (x, y) in enumerate(batches):
         runner.step(x.contiguous(memory_format=torch.channels_last), y, i)
     plain_steps(ref, _in(batches, True), microbatches=2)
@@ -78,3 +78,46 @@ def test_compiled_channels_last_microbatched_plan_equals_plain_training():
     assert engine.plan.compiled and engine.plan.channels_last
     plain_steps(ref, _in(batches, True), microbatches=2)
     assert max_diff(model, ref) <= 1e-5  # inductor may order sums differently: fp32 tolerance
+
+
+# -- the resolved levers (pipedp.decide.levers): pure, no model -----------------------------------------------
+
+
+def test_levers_resolve_each_request_against_the_cut():
+    from pipedp.decide.levers import resolve_levers
+    from pipedp.options import ConcurrencyOptions, PipelineOptions, TrainingOptions
+
+    pipeline = PipelineOptions(batchnorm="batch", cuda_graph=True, rollback=False, measure_steps=5)
+    training = TrainingOptions(precision="bf16", recompute=True, clip_grad_norm=2.0)
+    pieces = ConcurrencyOptions(branches=True, split_grads=True, early_update=True)
+    lv = resolve_levers(training, pipeline, pieces, stages=3)
+    assert lv.recompute == (0, 1, 2) and lv.autocast is torch.bfloat16 and lv.batchnorm == "batch"
+    assert lv.cuda_graph and not lv.rollback and lv.clip_grad_norm == 2.0 and lv.measure_steps == 5
+    assert lv.branches and lv.split_grads and lv.early_update
+    # A trial cut of two stages recomputes the named ones it has; a plan the trials found faster without the
+    # pieces keeps none of them (early updates are not timed: they stay as asked).
+    lv = resolve_levers(TrainingOptions(recompute=[0, 2]), PipelineOptions(), pieces, stages=2, concurrent=False)
+    assert lv.recompute == (0,) and lv.recomputes(0) and not lv.recomputes(1) and lv.autocast is None
+    assert not lv.branches and not lv.split_grads and lv.early_update
+
+
+def test_settle_places_every_stage_and_refuses_recompute_past_the_cut():
+    from pipedp.decide.config import Config
+    from pipedp.decide.decision import Decision
+    from pipedp.decide.levers import settle
+    from pipedp.options import PipelineOptions, TrainingOptions
+
+    cpu = [torch.device("cpu")]
+    with pytest.raises(RuntimeError, match="not settled"):
+        Decision(Config((2, 2), 4)).settled
+    d = settle(Decision(Config((1, 1, 1, 1), 4), schedule="interleaved"), PipelineOptions(), TrainingOptions(),
+               None, cpu, pp=2, dp=3)
+    assert [r for r, _ in d.places] == [0, 1, 0, 1] and (d.pp, d.dp) == (2, 3) and d.settled.recompute == ()
+    with pytest.raises(ValueError, match=r"recompute names stage\(s\) \[4\] but the pipeline has 4"):
+        settle(Decision(Config((1, 1, 1, 1), 4)), PipelineOptions(), TrainingOptions(recompute=[4]), None, cpu, 1)
+    trial = settle(Decision(Config((2, 2), 4)), PipelineOptions(), TrainingOptions(recompute=[3]), None, cpu, 1,
+                   trial=True)  # a trial's cut may be shorter than the one recompute names
+    assert trial.settled.recompute == ()
+    two = [torch.device("cpu"), torch.device("cpu", 1)]
+    d = settle(Decision(Config((3,), 1)), PipelineOptions(), TrainingOptions(), None, two, 1)
+    assert any("1 stage(s) per rank use 1 of 2 devices" in n for n in d.notes)

@@ -2,8 +2,8 @@ import torch
 
 from pipedp.comm import Local
 from pipedp.decide import Config
-from pipedp.decide.clocks import DeviceClock
-from pipedp.lower import Parts
+from pipedp.trials.clock import DeviceClock
+from pipedp.partition.parts import Parts
 from pipedp.options import PipelineOptions, TrainingOptions
 from pipedp.partition.blocks import blocks_of
 from pipedp.partition.check import check_chain

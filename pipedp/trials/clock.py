@@ -15,20 +15,25 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import replace
 from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
 from ..comm import Communicator
-from ..lower import OneTensor, Parts, in_layout, make_executor, set_layout, surrogate_loss, sync_devices, trial
+from ..decide.config import Config
+from ..decide.decision import Decision
+from ..decide.levers import settle
+from ..decide.schedules import fixed
+from ..device import sync_devices
+from ..lower import in_layout, make_executor, set_layout, surrogate_loss, trial
 from ..options import ConcurrencyOptions, PipelineOptions, TrainingOptions
+from ..partition.parts import OneTensor, Parts
 from ..pipeline import microbatch
 from ..pipeline.concurrency import install
 from ..pipeline.graphed import captured_call
 from ..pipeline.stage import Stage
-from .config import Config
-from .schedules import fixed
 
 __all__ = ["DeviceClock", "windows_ms"]
 
@@ -51,7 +56,7 @@ def windows_ms(run: Callable[[], object], steps: int, devices: Sequence[torch.de
 
 
 class DeviceClock:
-    """:class:`~pipedp.decide.search.Measure` on the device."""
+    """:class:`~pipedp.decide.measuring.Clock` on the device: each configuration lowered as the build lowers it."""
 
     def __init__(self, model: nn.Module, parts: Parts, batch: torch.Tensor, devices: Sequence[torch.device],
                  options: PipelineOptions, comm: Communicator, training: TrainingOptions,
@@ -172,14 +177,14 @@ class DeviceClock:
         if self.sampled(config):  # one microbatch stands for all of them
             xs = xs[:1]
             self.scale[config] = self.batch.shape[0] / xs[0].shape[0]
-        ex, _ = make_executor(self.parts, list(config.counts), len(xs), self.devices, self.options,
-                              self.comm, training=self.training, compile=config.compiled, threads=config.threads,
-                              schedule=fixed(self.options.schedule))
+        planned = settle(Decision(replace(config, microbatches=len(xs)), schedule=fixed(self.options.schedule)),
+                         self.options, self.training, self.concurrency, self.devices, self.comm.pp, trial=True)
+        ex, _ = make_executor(self.parts, planned, self.comm)
         ys = [t.to(ex.stages[-1].device) for t in xs]
         w = microbatch.shares([t.shape[0] for t in xs])
         undo = None
-        if config.concurrent and self.concurrency is not None:
-            side = install(ex, self.concurrency)
+        if planned.settled.branches or planned.settled.split_grads:
+            side = install(ex, planned.settled)
             side.connect(ex, None)
             undo = side.undo
         elif config.compiled:

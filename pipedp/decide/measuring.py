@@ -1,0 +1,50 @@
+"""What planning times configurations with: protocols the planner depends on, implemented by the trials.
+
+The planner weighs plans; running one needs the lowering and the runtime,
+which depend on the planner's decision. So decide/ asks for a clock through
+these protocols and :mod:`pipedp.trials` implements them on the executor the
+build makes: decide/ never imports the lowering or the runtime.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, Protocol, Sequence
+
+from ..partition.threads import CpuPlan
+from .config import Config
+from .search import Measure
+
+__all__ = ["Clock", "Trials", "World"]
+
+
+class Clock(Measure, Protocol):
+    """A :class:`~pipedp.decide.search.Measure` that keeps what its trials built, and is closed after the search."""
+
+    @property
+    def stages(self) -> Mapping[Config, Sequence[object]]:
+        """Each timed plan's stages (compiled ones are handed to the build, which reuses them)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class World(Protocol):
+    """The processes a plan is made for: all the planner reads of the communicator."""
+
+    @property
+    def pp(self) -> int: ...  # pipeline ranks
+
+    @property
+    def world(self) -> int: ...  # processes in all
+
+
+class Trials(Protocol):
+    """The clocks of one planning call, bound to its model, batch, devices and options."""
+
+    def clock(self, kernels: Callable[[bool], None] | None) -> Clock:
+        """The timed trials' clock; ``kernels`` switches the depthwise layers (None: none swapped)."""
+        ...
+
+    def thread_plan_ms(self, plan: CpuPlan) -> float:
+        """ms of one step of a plan of concurrent CPU stages, as the build would run it."""
+        ...
