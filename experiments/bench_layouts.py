@@ -41,7 +41,7 @@ from pipedp.decide.layout import ASSUMPTIONS, Layout, layouts, predict
 from pipedp.decide.probe import probe_allreduce, probe_p2p
 from pipedp.forecast import profile_model
 from pipedp.models import get_model
-from pipedp.world import window_ms
+from pipedp.decide.world import window_ms
 
 from .world import run_world, world_report
 

@@ -30,7 +30,7 @@ import pipedp
 from pipedp.decide.cut import action_durations
 from pipedp.pipeline.orders import PER_RANK, simulate_schedule
 from pipedp.pipeline.simulate import Simulation
-from pipedp.world import window_ms
+from pipedp.decide.world import window_ms
 
 from .machine import describe
 from .paired import paired_ratio

@@ -41,7 +41,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 
 import pipedp
 from pipedp.decide.layout import Layout
-from pipedp.world import WorldChoice, window_ms
+from pipedp.decide.world import WorldChoice, window_ms
 
 from .paired import paired_ratio
 from .report import write_json

@@ -119,7 +119,7 @@ def build_pipeline(model: nn.Module, batch: torch.Tensor, options: PipelineOptio
     executes the decision: the model in the chosen layout, this rank's stages
     compiled or not, the chosen microbatches (``pipe.microbatches``).
     ``measure`` replaces the clock of ``stages="auto"``'s trials (tests);
-    ``given``: the world layout ``pp="auto"`` chose (:mod:`pipedp.world`);
+    ``given``: the world layout ``pp="auto"`` chose (:mod:`pipedp.decide.world`);
     ``kernels``: the depthwise layers wrap swapped onto tuned kernels, left
     on them or put back on torch's as the decision says. ``saved``: a
     decision record to replay instead of planning (:mod:`pipedp.decide.reuse`).

@@ -48,8 +48,8 @@ from .snapshot import forked_rng, rng_state
 from .step import LossFn, StepRunner, loss_reduction
 from .update import GradientStep
 from .watch import ModelWatch
-from .world import WorldChoice
-from .world_auto import choose_layout
+from .decide.world import WorldChoice
+from .trials.world import choose_layout
 
 __all__ = ["Engine"]
 

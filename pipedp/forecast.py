@@ -30,10 +30,9 @@ from .atomic import write_text
 from .decide.layout import ASSUMPTIONS, BlockCosts, Prediction, rank
 from .decide.links import NAMED, Link, parse_link
 from .device import sync_devices
-from .lower import surrogate_loss
-from .partition.parts import measurable
 from .partition.blocks import blocks_of, module_mode
 from .partition.check import check_chain
+from .partition.parts import measurable, surrogate_loss
 from .partition.profile import BlockProfile, profile_blocks
 from .snapshot import preserved_state
 

@@ -17,7 +17,7 @@ from .decide.cut import action_durations, stage_times
 from .decide.decision import Decision
 from .decide.levers import Levers
 from .partition.blocks import Chain
-from .partition.parts import Parts, tensors_in
+from .partition.parts import Parts, surrogate_loss
 from .partition.profile import BlockProfile
 from .pipeline.cpu_lane import core_sets
 from .pipeline.executor import Executor
@@ -27,7 +27,7 @@ from .pipeline.orders import per_stage, rank_orders
 from .pipeline.stage import Stage
 from .pipeline.stream import new_lane
 
-__all__ = ["make_executor", "surrogate_loss", "in_layout", "set_layout", "trial"]
+__all__ = ["make_executor", "in_layout", "set_layout", "trial"]
 
 
 def trial(ex: Executor, parts: Parts, xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor],
@@ -37,16 +37,6 @@ def trial(ex: Executor, parts: Parts, xs: Sequence[torch.Tensor], ys: Sequence[t
     if parts.trains:
         return lambda: ex.train(xs, ys, weights, surrogate_loss)
     return lambda: ex.forward(xs)
-
-
-def surrogate_loss(out: object, _: torch.Tensor) -> torch.Tensor:
-    """The loss of profiling and trials: reaches every output element, costs next to nothing.
-
-    A one-stage plan's output is the model's own, which may be a tuple or a dict of tensors.
-    """
-    if isinstance(out, torch.Tensor):
-        return out.float().mean()
-    return torch.stack([t.float().mean() for t in tensors_in(out) if t.is_floating_point()]).sum()
 
 
 # Channels-last for each tensor rank that has one: 4-d (NCHW, Conv2d) and 5-d (NCDHW, Conv3d).

@@ -176,7 +176,7 @@ class DataParallelOptions:
 
     ``pp``: pipeline ranks; the world is laid out as ``world // pp`` replicas of
     a pipeline over ``pp`` ranks; ``"auto"``: chosen when the engine is made,
-    by predicting every layout and timing the best few (:mod:`pipedp.world`;
+    by predicting every layout and timing the best few (:mod:`pipedp.decide.world`;
     needs ``sample=``, the global batch of one step). Or a ``mesh`` with dims ``("dp", "pp")`` /
     ``("dp",)``, or explicit ``dp_group``/``pp_group``. ``bucket_mb``: gradient
     all-reduce bucket size (DDP's ``bucket_cap_mb``). ``reduce_dtype``:

@@ -192,7 +192,7 @@ def test_training_loads_no_compiler_and_no_experiments(tmp_path):
 # the step, the engine, the trials and every pipeline module but the schedules-as-data the planner simulates.
 SCHEDULE_DATA = {"schedule", "simulate", "orders", "deps", "microbatch", "ranks", "zero_bubble", "interleaved"}
 RUNTIME = ("pipedp.lower", "pipedp.build", "pipedp.step", "pipedp.engine", "pipedp.api", "pipedp.trials",
-           "pipedp.world", "pipedp.world_auto", "pipedp.comm")
+           "pipedp.comm")
 
 
 # The options (the user's request) validate against names kept below both sides (pipedp.defaults).

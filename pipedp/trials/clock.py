@@ -27,9 +27,9 @@ from ..decide.decision import Decision
 from ..decide.levers import settle
 from ..decide.schedules import fixed
 from ..device import sync_devices
-from ..lower import in_layout, make_executor, set_layout, surrogate_loss, trial
+from ..lower import in_layout, make_executor, set_layout, trial
 from ..options import ConcurrencyOptions, PipelineOptions, TrainingOptions
-from ..partition.parts import OneTensor, Parts
+from ..partition.parts import OneTensor, Parts, surrogate_loss
 from ..pipeline import microbatch
 from ..pipeline.concurrency import install
 from ..pipeline.graphed import captured_call

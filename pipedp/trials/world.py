@@ -15,14 +15,14 @@ from typing import Callable, Protocol, Sequence
 import torch
 from torch import nn
 
-from .build import sample_batch
-from .decide.coupling import Resolved, batch_coupled, resolve_microbatches
-from .decide.cut import AUTO_MICROBATCHES
-from .decide.layout import Layout
-from .decide.schedules import layout_schedules
-from .lower import surrogate_loss
-from .options import DataParallelOptions, KernelOptions, PipelineOptions, TrainingOptions
-from .world import Trial, WorldChoice, choose_world
+from ..build import sample_batch
+from ..decide.coupling import Resolved, batch_coupled, resolve_microbatches
+from ..decide.cut import AUTO_MICROBATCHES
+from ..decide.layout import Layout
+from ..decide.schedules import layout_schedules
+from ..decide.world import Trial, WorldChoice, choose_world
+from ..options import DataParallelOptions, KernelOptions, PipelineOptions, TrainingOptions
+from ..partition.parts import surrogate_loss
 
 __all__ = ["AUTO_REDUCE_DTYPE", "choose_layout", "global_batch", "world_microbatches"]
 

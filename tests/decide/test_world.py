@@ -11,7 +11,7 @@ from torch import nn
 
 import pipedp
 from pipedp.decide.layout import Layout, Prediction
-from pipedp.world import WITHHELD, WorldRow, _withheld_note, choose_world, finalists, pick
+from pipedp.decide.world import WITHHELD, WorldRow, _withheld_note, choose_world, finalists, pick
 from tests import multiproc
 from tests.reference import data, plain_steps, sequential_cnn
 
@@ -273,7 +273,7 @@ def _choose_in_fewer_windows(rank: int, world: int) -> dict:
     Each trial step is taken to last 1 s (``_trial_s`` patched in this spawned rank), so what fits does not
     hang on the tiny model's profile.
     """
-    import pipedp.world as w
+    import pipedp.decide.world as w
 
     w._trial_s = lambda p, rounds, steps: (1 + rounds * steps) * 1.0
     calls: list[int] = []

@@ -38,10 +38,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .decide.layout import BlockCosts, Layout, Prediction, predict, rank
-from .decide.links import Link
-from .decide.probe import probe_allreduce, probe_p2p
-from .device import sync_devices
+from ..device import sync_devices
+from .layout import BlockCosts, Layout, Prediction, predict, rank
+from .links import Link
+from .probe import probe_allreduce, probe_p2p
 
 __all__ = ["WorldRow", "WorldChoice", "Trial", "finalists", "pick", "choose_world", "window_ms", "FINALISTS",
            "WITHIN"]
@@ -204,7 +204,7 @@ def choose_world(model: nn.Module, global_batch: torch.Tensor, device: torch.dev
         raise ValueError(f"pp='auto' plans on the global batch of one step (sample=), which has {n} samples for "
                          f"{world} ranks: pass a global batch of at least {2 * world} (2 per rank)")
     # 1-2: every rank profiles and probes at once, as the world will train; rank 0's figures decide.
-    from .forecast import profile_model  # here: `python -m pipedp.forecast` must not find it imported by pipedp
+    from ..forecast import profile_model  # here: `python -m pipedp.forecast` must not find it imported by pipedp
     profile = profile_model(copy.deepcopy(model).to(device), global_batch[: n // world].to(device), depth=depth,
                             repeats=PROFILE_REPEATS, warmup=PROFILE_WARMUP)
     profiled = now()
