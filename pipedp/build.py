@@ -47,7 +47,7 @@ from .partition.parts import Parts
 from .partition.profile import BlockProfile
 from .partition.threads import concurrent_times
 from .pipeline import microbatch
-from .pipeline.batchnorm import DeferredBatchNorm, batchnorms_in_several
+from .pipeline.batchnorm import DeferredBatchNorm, batchnorms_in_several, deferred_in
 from .pipeline.concurrency import Concurrency, install
 from .pipeline.executor import Executor
 from .pipeline.gradsync import GradSync
@@ -268,7 +268,7 @@ def _batchnorm(model: nn.Module, executor: Executor, mode: str) -> DeferredBatch
     chains = [st.chain for st in executor.stages]
     if mode == "batch":
         return DeferredBatchNorm(model, chains)
-    split = batchnorms_in_several(chains)
+    split = deferred_in(chains, mode)
     return DeferredBatchNorm(model, chains, per_microbatch=True, only=split) if split else None
 
 

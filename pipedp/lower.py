@@ -6,7 +6,7 @@ stages, made here: a trial times exactly what the chosen plan will run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
 from typing import Any, Callable, Sequence
 
 import torch
@@ -19,6 +19,7 @@ from .decide.levers import Levers
 from .partition.blocks import Chain
 from .partition.parts import Parts, surrogate_loss
 from .partition.profile import BlockProfile
+from .pipeline.batchnorm import commit_stages
 from .pipeline.cpu_lane import core_sets
 from .pipeline.executor import Executor
 from .pipeline.p2p import Transport
@@ -101,6 +102,10 @@ def make_executor(parts: Parts, decision: Decision, comm: Communicator, *,
             stage = Stage(s, chain, dev, lane, copy_input=parts.copy_input[start])
             stages.append(_dress(stage, levers, decision.compiled))
         start += k
+    # Every stage's blocks, on every rank: each rank prints all programs, BN_COMMIT included.
+    groups = [nn.ModuleList([b.module for b in parts.blocks[a : a + k]])
+              for a, k in zip(itertools.accumulate([0, *counts]), counts)]
+    commits = commit_stages(groups, levers.batchnorm)
     duration = action_durations(*stage_times(profiles, counts)) if profiles is not None else None
     orders = rank_orders(decision.schedule, len(counts), decision.microbatches, comm.pp, duration=duration)
     per = per_stage(orders, len(counts))
@@ -108,6 +113,6 @@ def make_executor(parts: Parts, decision: Decision, comm: Communicator, *,
     transport = comm.transport(mine[0], step)
     stage_rank = comm.stage_ranks([r for r, _ in places])
     if stage_rank is None:
-        return Executor(stages, per, duration=duration, orders=orders), None
+        return Executor(stages, per, duration=duration, orders=orders, commits=commits), None
     return Executor(stages, per, duration=duration, stage_rank=stage_rank, rank=comm.rank,
-                    transport=transport, orders=orders), transport
+                    transport=transport, orders=orders, commits=commits), transport

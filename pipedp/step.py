@@ -202,7 +202,8 @@ class StepRunner:
         if self.early is not None:
             self.early.begin(self.pipe.sync)
         return self.pipe.executor.train(xs, ys, weights, loss_fn, timer, sync=self.pipe.sync,
-                                        loss_scale=self.grads.loss_scale, update=self.early, divisor=divisor)
+                                        loss_scale=self.grads.loss_scale, update=self.early, divisor=divisor,
+                                        batchnorm=self.pipe.batchnorm)
 
     def _undo_early_updates(self) -> None:
         """Put back what the stages updated early, once every lane that may still be updating is joined."""
@@ -212,7 +213,8 @@ class StepRunner:
         self.before_update.restore()
 
     def _update(self, apply: bool = True) -> None:
-        """Commit the step's BatchNorm statistics (the forwards ran) and, unless skipped, step the optimizer."""
+        """End the step's BatchNorm recording (the stages' BN_COMMITs applied their statistics; what no stage
+        applied is applied here) and, unless skipped, step the optimizer."""
         if self.pipe.batchnorm is not None:
             self.pipe.batchnorm.commit()
         if apply and self.early is not None:

@@ -643,5 +643,7 @@ def test_after_the_decision_nothing_reads_the_options():
         assert d.levers.branches and d.levers.split_grads and d.levers.rollback
         assert [r for r, _ in d.places] == [0, 0] and (d.pp, d.dp) == (1, 1)
         assert type(engine.executor.stages[1].body).__name__ == "Recompute"
+        # Whole-batch statistics: each stage applies them after its last forward, an action of its program.
+        assert "0F1 0BN_COMMIT" in engine.program and "1F1 1BN_COMMIT" in engine.program
         assert len(engine.plan.stages) == 2 and any("early_update" in n for n in engine.plan.notes)
     assert max_diff(*trained) == 0.0  # the same steps, whether or not the options could still be read

@@ -1,4 +1,4 @@
-"""Deferred BatchNorm statistics: running statistics updated at the end of a step, in a chosen order.
+"""Deferred BatchNorm statistics: running statistics updated once a step's forwards are done, in a chosen order.
 
 With microbatches, every BatchNorm normalises each microbatch with that
 microbatch's statistics (as GPipe does) and, left alone, updates its running
@@ -13,6 +13,13 @@ use after use within each microbatch, while a pipeline runs a stage's
 microbatches before the next stage's, and running statistics (an exponential
 average) depend on the order of updates. Deferred per microbatch, the commit
 replays the updates in plain order: microbatch by microbatch, use by use.
+
+The commit is an action of each rank's program (BN_COMMIT, :mod:`.ranks`):
+after the last forward of the last stage that uses a deferred BatchNorm, its
+statistics are complete and applied, while the step's backwards go on
+(:func:`commit_stages` names those stages; :meth:`DeferredBatchNorm.commit_stage`
+applies them). What is left (uses outside any stage) is applied by
+:meth:`DeferredBatchNorm.commit` at the end of the step.
 
 A use is identified by the stage (chain) running it and by how many times that
 chain's forward has called the module before; a chain's forwards within a step
@@ -38,7 +45,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .weak_hooks import WeakHook, remove_all
 
-__all__ = ["DeferredBatchNorm", "batchnorms_in_several"]
+__all__ = ["DeferredBatchNorm", "batchnorms_in_several", "deferred_in", "commit_stages"]
 
 _Use = tuple[int, int]  # (chain position, -1 outside any chain; call number within that chain's forward)
 _Moments = tuple[int, torch.Tensor, torch.Tensor]  # (count, mean, M2) of one call's input
@@ -63,6 +70,30 @@ def batchnorms_in_several(chains: Sequence[nn.Module]) -> list[_BatchNorm]:
         for m in set(_tracked(chain)):
             seen[m] = seen.get(m, 0) + 1
     return [m for m, n in seen.items() if n > 1]
+
+
+def deferred_in(chains: Sequence[nn.Module], mode: str) -> list[_BatchNorm]:
+    """The BatchNorms of ``chains`` whose statistics a step defers: all for ``"batch"``, else those used by
+    several stages (updated stage by stage they would leave plain order)."""
+    if mode == "batch":
+        return list(dict.fromkeys(m for chain in chains for m in _tracked(chain)))
+    return batchnorms_in_several(chains)
+
+
+def _last_users(chains: Sequence[nn.Module], modules: Iterable[_BatchNorm]) -> dict[_BatchNorm, int]:
+    """Per module, the position of the last of ``chains`` that uses it (-1: none)."""
+    wanted = set(modules)
+    last = dict.fromkeys(wanted, -1)
+    for pos, chain in enumerate(chains):
+        for m in _tracked(chain):
+            if m in wanted:
+                last[m] = pos
+    return last
+
+
+def commit_stages(chains: Sequence[nn.Module], mode: str) -> list[int]:
+    """The positions of ``chains`` after whose last forward deferred statistics are complete (BN_COMMIT)."""
+    return sorted({p for p in _last_users(chains, deferred_in(chains, mode)).values() if p >= 0})
 
 
 def _merge(calls: list[_Moments]) -> _Moments:
@@ -117,6 +148,7 @@ class DeferredBatchNorm:
         self._stats: dict[_BatchNorm, _Stats] = {
             m: _Stats() for m in _tracked(model) if keep is None or m in keep
         }
+        self._last = _last_users(chains, self._stats)  # the chain whose last forward completes each one's uses
         # Per thread: concurrent CPU stages run their chains' forwards on their own worker threads.
         self._here = threading.local()
         self._handles: list[RemovableHandle] = []
@@ -189,18 +221,29 @@ class DeferredBatchNorm:
             m.running_mean, m.running_var, m.num_batches_tracked = st.saved
             st.saved = None
 
+    def commit_stage(self, pos: int) -> None:
+        """BN_COMMIT: apply the updates of the BatchNorms whose last use is chain ``pos`` (its last forward ran)."""
+        with torch.no_grad():
+            for m, st in self._stats.items():
+                if self._last[m] == pos:
+                    self._apply(m, st)
+
     def commit(self) -> None:
-        """Apply the step's running-statistics updates: per use (whole batch) or per microbatch and use."""
+        """End the step's recording and apply the updates no BN_COMMIT applied (uses outside any chain)."""
         self.active = False
         with torch.no_grad():
             for m, st in self._stats.items():
-                uses = [st.calls[u] for u in sorted(st.calls)]  # chain order, then call order: the model's
-                if self.per_microbatch:
-                    for i in range(max((len(c) for c in uses), default=0)):
-                        for calls in uses:
-                            if i < len(calls):
-                                _update(m, calls[i])
-                else:
-                    for calls in uses:
-                        _update(m, _merge(calls))
-                st.calls = {}
+                self._apply(m, st)
+
+    def _apply(self, m: _BatchNorm, st: _Stats) -> None:
+        """The step's running-statistics updates of ``m``: per use (whole batch) or per microbatch and use."""
+        uses = [st.calls[u] for u in sorted(st.calls)]  # chain order, then call order: the model's
+        if self.per_microbatch:
+            for i in range(max((len(c) for c in uses), default=0)):
+                for calls in uses:
+                    if i < len(calls):
+                        _update(m, calls[i])
+        else:
+            for calls in uses:
+                _update(m, _merge(calls))
+        st.calls = {}

@@ -17,7 +17,7 @@ above) is done, and the step waits for all of them at its end
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import torch
 
@@ -26,7 +26,7 @@ from ..partition.parts import tensors_in
 from .ahead import Ahead
 from .cpu_lane import Flight
 from .deps import ACCUMULATES, grad_kinds, needs
-from .interpreter import GradSyncLike, LossFn, StageUpdateLike, StepRun
+from .interpreter import BatchNormCommitLike, GradSyncLike, LossFn, StageUpdateLike, StepRun
 from .orders import per_stage
 from .p2p import Transport
 from .ranks import COMPUTE, Op, check_programs, close_stages, format_program, lower_programs, rank_programs
@@ -116,6 +116,7 @@ class Executor:
         rank: int = 0,
         transport: Transport | None = None,
         orders: Sequence[Sequence[tuple[int, Action]]] | None = None,
+        commits: Collection[int] = (),
     ) -> None:
         self.stages = sorted(stages, key=lambda st: st.index)
         self.n = n = len(schedule)
@@ -143,7 +144,9 @@ class Executor:
             if orders is None else [(s, a) for prog in orders for s, a in prog if a.kind == "F"]
         # Every rank's program of a training step (compute, messages, each stage's close), checked where stages
         # span ranks; this rank runs its own.
-        self.programs = {r: close_stages(ops) for r, ops in lower_programs(compute, self.stage_rank).items()}
+        self.commits = frozenset(commits)  # stages closing with BN_COMMIT (deferred BatchNorm statistics)
+        self.programs = {r: close_stages(ops, self.commits)
+                         for r, ops in lower_programs(compute, self.stage_rank).items()}
         if len(set(self.stage_rank)) > 1:
             check_programs(self.programs)
             check_programs(rank_programs(infer, self.stage_rank))
@@ -235,7 +238,7 @@ class Executor:
         if key not in self._lowered:
             train, infer, _ = self.orders(k)
             ops = lower_programs({self.rank: train if training else infer}, self.stage_rank)[self.rank]
-            self._lowered[key] = close_stages(ops) if training else ops
+            self._lowered[key] = close_stages(ops, self.commits) if training else ops
         return self._lowered[key]
 
     def _run(self, program: list[Op], order: list[tuple[int, Action]], step: StepRun) -> None:
@@ -297,6 +300,7 @@ class Executor:
         loss_scale: torch.Tensor | None = None,
         update: StageUpdateLike | None = None,
         divisor: int = 1,
+        batchnorm: BatchNormCommitLike | None = None,
     ) -> torch.Tensor | None:
         """Forward and backward of every microbatch; returns the weighted loss sum (detached).
 
@@ -306,7 +310,8 @@ class Executor:
         scaling, which the returned sum leaves out) before its backward;
         gradients accumulate in the parameters' ``.grad``. ``sync.arm(k)``/``sync.finish(k)``
         bracket the last backward of local stage k, and ``update.stage_done(k)``
-        follows it (an early optimizer update). ``divisor``: each loss is
+        follows it (an early optimizer update). ``batchnorm.commit_stage(k)`` is BN_COMMIT of local
+        stage k (deferred statistics, after its last forward). ``divisor``: each loss is
         divided by it before its backward (and before ``loss_scale``), as a
         plain loop that accumulates over several batches divides its loss; the
         returned sum leaves it out. Returns None on a rank without the last
@@ -317,7 +322,7 @@ class Executor:
                              f"microbatch")
         order, _, last = self.orders(len(xs))
         step = StepRun(self, xs, ys, weights, loss_fn, timer, loss_scale, divisor, last=last, sync=sync,
-                       update=update)
+                       update=update, batchnorm=batchnorm)
         self._run(self.program(len(xs)), order, step)
         if step.total is not None:
             current_lane(self.stages[-1].device).keep(step.total)

@@ -2,7 +2,8 @@
 
 The lowering (:mod:`.ranks`) gives each rank its program: compute (F, B, or
 I and W), the messages between ranks (SEND/RECV of an activation or of its
-gradient) and, after a stage's last accumulation, REDUCE_GRAD and UPDATE.
+gradient), after a stage's last forward BN_COMMIT (where BatchNorm statistics
+are deferred) and after its last accumulation REDUCE_GRAD and UPDATE.
 :class:`StepRun` holds one step's tensors in flight and runs each action by
 its kind; the executor walks the program (one thread, or the CPU workers)
 and calls :meth:`StepRun.run` on each. Within a rank, activations cross a
@@ -25,7 +26,7 @@ from .weight_grad import Deferred, run_deferred
 if TYPE_CHECKING:
     from .executor import Executor, StepTimer
 
-__all__ = ["StepRun", "GradSyncLike", "StageUpdateLike", "LossFn"]
+__all__ = ["StepRun", "GradSyncLike", "StageUpdateLike", "BatchNormCommitLike", "LossFn"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -36,6 +37,10 @@ class GradSyncLike(Protocol):
     def accumulated(self, p: torch.Tensor) -> None: ...
 
     def finish(self, stage: int) -> None: ...
+
+
+class BatchNormCommitLike(Protocol):
+    def commit_stage(self, pos: int) -> None: ...
 
 
 class StageUpdateLike(Protocol):
@@ -67,11 +72,12 @@ class StepRun:
     def __init__(self, ex: "Executor", xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor] | None,
                  weights: Sequence[float] | None, loss_fn: LossFn | None, timer: "StepTimer | None",
                  loss_scale: torch.Tensor | None = None, divisor: int = 1, *, last: dict[int, int] | None = None,
-                 sync: GradSyncLike | None = None, update: StageUpdateLike | None = None) -> None:
+                 sync: GradSyncLike | None = None, update: StageUpdateLike | None = None,
+                 batchnorm: BatchNormCommitLike | None = None) -> None:
         n, m = ex.n, len(xs)
         self.ex, self.xs, self.ys, self.weights, self.loss_fn, self.timer = ex, xs, ys, weights, loss_fn, timer
         self.loss_scale, self.divisor = loss_scale, divisor
-        self.last, self.sync, self.update = last or {}, sync, update
+        self.last, self.sync, self.update, self.batchnorm = last or {}, sync, update, batchnorm
         self.inputs: list[list[Value | None]] = [[None] * m for _ in range(n)]
         self.outputs: list[list[Any]] = [[None] * m for _ in range(n)]  # the last stage's: what loss_fn takes
         self.arrived: dict[tuple[int, int], Any] = {}  # what a RECV took, until its action takes it
@@ -85,7 +91,8 @@ class StepRun:
         self.held: dict[tuple[int, int], list] = {}  # (stage, microbatch): weight gradients its W computes
         self.handlers: dict[str, Callable[[Op], None]] = {
             "F": self.forward, "B": self.backward, "I": self.backward, "W": self.weight_grads,
-            "recv": self.receive, "send": self.send, "reduce": self.reduce, "update": self.step_stage,
+            "recv": self.receive, "send": self.send, "commit": self.commit, "reduce": self.reduce,
+            "update": self.step_stage,
         }
 
     def run(self, op: Op) -> None:
@@ -275,6 +282,11 @@ class StepRun:
         self.bwd_ev[s][i] = lane.record()
 
     # -- a stage's close ------------------------------------------------------------------------------
+    def commit(self, op: Op) -> None:
+        """BN_COMMIT: the deferred BatchNorm statistics the stage's last forward completed, applied now."""
+        if self.batchnorm is not None:
+            self.batchnorm.commit_stage(self.ex.pos[op.stage])
+
     def reduce(self, op: Op) -> None:
         """REDUCE_GRAD: the stage's gradients are whole; its buckets still to go are launched."""
         if self.sync is not None:

@@ -14,7 +14,7 @@ would get the wrong message, or ranks that would wait on each other forever.
 from __future__ import annotations
 
 from collections import deque
-from typing import Mapping, NamedTuple, Sequence
+from typing import Collection, Mapping, NamedTuple, Sequence
 
 from .deps import ACCUMULATES, needs, sends
 from .schedule import Action
@@ -23,12 +23,15 @@ from .simulate import ScheduleError
 __all__ = ["Op", "rank_programs", "lower_programs", "close_stages", "check_programs", "format_program"]
 
 COMPUTE = ("F", "B", "I", "W")
-CLOSE = {"reduce": "REDUCE_GRAD", "update": "UPDATE"}  # a stage's step after its last accumulation, as printed
+# A stage's close, as printed: its BatchNorm statistics after its last forward; its gradients and parameters after
+# its last accumulation.
+CLOSE = {"commit": "BN_COMMIT", "reduce": "REDUCE_GRAD", "update": "UPDATE"}
 
 
 class Op(NamedTuple):
     """One step of a rank's program: compute ("F", "B", or its halves "I" and "W"), a message ("send"/"recv"),
-    or a stage's close ("reduce": its gradients over the replicas; "update": its parameters stepped)."""
+    or a stage's close ("commit": its deferred BatchNorm statistics applied; "reduce": its gradients over the
+    replicas; "update": its parameters stepped)."""
 
     kind: str
     stage: int
@@ -82,33 +85,41 @@ def lower_programs(compute: Mapping[int, Sequence[tuple[int, Action]]], stage_ra
     return progs
 
 
-def close_stages(ops: Sequence[Op]) -> list[Op]:
+def close_stages(ops: Sequence[Op], commits: Collection[int] = ()) -> list[Op]:
     """A rank's training program with each stage's REDUCE_GRAD and UPDATE after its last accumulation (its
-    last B, or its last W where backwards split) and the sends that follow it.
+    last B, or its last W where backwards split), and BN_COMMIT after the last forward of each stage in
+    ``commits``; each after the send that follows its action.
 
-    There the stage's gradients are whole: its buckets still to go are
-    launched over the replicas, and its parameters may be stepped while
-    other stages compute (an early update). The input gradient the previous
-    rank waits for is sent first.
+    After its last accumulation a stage's gradients are whole: its buckets
+    still to go are launched over the replicas, and its parameters may be
+    stepped while other stages compute (an early update). After its last
+    forward the statistics of the deferred BatchNorms it is the last to use
+    are complete (:mod:`.batchnorm`). The message a peer waits for is sent first.
     """
-    last = {op.stage: k for k, op in enumerate(ops) if op.kind in ACCUMULATES}
-    close = {}
-    for s, k in last.items():
-        while k + 1 < len(ops) and ops[k + 1].kind == "send" and ops[k + 1].stage == s:
-            k += 1
-        close[k] = s
+    def after(kinds: Collection[str], stages: Collection[int] | None) -> dict[int, int]:
+        last = {op.stage: k for k, op in enumerate(ops)
+                if op.kind in kinds and (stages is None or op.stage in stages)}
+        at = {}
+        for s, k in last.items():
+            while k + 1 < len(ops) and ops[k + 1].kind == "send" and ops[k + 1].stage == s:
+                k += 1
+            at[k] = s
+        return at
+
+    closes = (after(("F",), commits), ("commit",)), (after(ACCUMULATES, None), ("reduce", "update"))
     out: list[Op] = []
     for k, op in enumerate(ops):
         out.append(op)
-        if k in close:
-            out += [Op("reduce", close[k], op.microbatch), Op("update", close[k], op.microbatch)]
+        for at, kinds in closes:
+            if k in at:
+                out += [Op(kind, at[k], op.microbatch) for kind in kinds]
     return out
 
 
 def format_program(ops: Sequence[Op]) -> str:
     """A rank's program in one line: compute as ``<stage><kind><microbatch>`` (``0F3``, ``1I2``), messages
     as ``<stage>SEND_F3`` / ``RECV_F3`` (activations) and ``SEND_B3`` / ``RECV_B3`` (gradients), a stage's
-    close as ``<stage>REDUCE_GRAD`` and ``<stage>UPDATE``."""
+    close as ``<stage>BN_COMMIT``, ``<stage>REDUCE_GRAD`` and ``<stage>UPDATE``."""
     def one(op: Op) -> str:
         if op.kind in COMPUTE:
             return f"{op.stage}{op.kind}{op.microbatch}"

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from pipedp.partition import Block, Chain
-from pipedp.pipeline.batchnorm import DeferredBatchNorm, batchnorms_in_several
+from pipedp.pipeline.batchnorm import DeferredBatchNorm, batchnorms_in_several, commit_stages, deferred_in
 
 
 def test_commit_equals_one_full_batch_update_and_outputs_are_unchanged():
@@ -90,3 +90,31 @@ def test_batch_mode_commits_one_whole_batch_update_per_use():
     assert torch.allclose(model[0].running_mean, rm, atol=1e-6)
     assert torch.allclose(model[0].running_var, rv, atol=1e-6)
     assert model[0].num_batches_tracked.item() == 2
+
+
+def test_bn_commit_applies_the_statistics_of_the_batchnorms_a_stage_is_the_last_to_use():
+    model, chains = _used_in_two_chains()  # model[0] used by both chains
+    own = nn.BatchNorm1d(3)
+    third = Chain([Block("own", own)])
+    chains = [*chains, third]
+    assert deferred_in(chains, "microbatch") == [model[0]] and set(deferred_in(chains, "batch")) == {model[0], own}
+    assert commit_stages(chains, "microbatch") == [1]  # the shared one completes with chain 1's last forward
+    assert commit_stages(chains, "batch") == [1, 2]
+    outer = nn.ModuleList([model, own])
+    deferred = DeferredBatchNorm(outer, chains)
+    xs = [torch.randn(5, 3) * 2 + 1 for _ in range(2)]
+    deferred.begin()
+    hs, _ = _pipelined(chains, xs)
+    with torch.no_grad():
+        for x in xs:
+            third(x)
+    deferred.commit_stage(0)  # chain 0 is not the last to use model[0]: nothing yet
+    assert model[0].num_batches_tracked.item() == 0 and own.num_batches_tracked.item() == 0
+    deferred.commit_stage(2)
+    assert own.num_batches_tracked.item() == 1 and model[0].num_batches_tracked.item() == 0
+    deferred.commit_stage(1)
+    assert model[0].num_batches_tracked.item() == 2  # one whole-batch update per use
+    before = model[0].running_mean.clone()
+    deferred.commit()  # the end of the step: nothing left to apply
+    assert torch.equal(model[0].running_mean, before) and own.num_batches_tracked.item() == 1
+

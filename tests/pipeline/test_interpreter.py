@@ -23,8 +23,8 @@ def test_every_action_a_lowering_makes_has_a_handler():
     for name in NAMES:
         orders = rank_orders(name, 4, 4, 2)
         for ops in lower_programs(dict(enumerate(orders)), placement(name, 4, 2)).values():
-            made |= {op.kind for op in close_stages(ops)}
-    assert made <= handled and {"F", "B", "I", "W", "send", "recv", "reduce", "update"} <= made
+            made |= {op.kind for op in close_stages(ops, commits=range(4))}
+    assert made <= handled and {"F", "B", "I", "W", "send", "recv", "commit", "reduce", "update"} <= made
 
 
 class Log:

@@ -69,3 +69,17 @@ def test_a_stage_closes_after_its_last_accumulation_and_the_gradient_it_sends_ba
     ops = lower_programs({0: [(s, a) for s, acts in enumerate(split) for a in acts]}, [0, 0])[0]
     text = format_program(close_stages(ops))
     assert text.count("REDUCE_GRAD") == 2 and all(f"{s}W2 {s}REDUCE_GRAD {s}UPDATE" in text for s in (0, 1))
+
+
+def test_a_stage_with_deferred_statistics_commits_them_after_its_last_forward_and_its_send():
+    from pipedp.pipeline.ranks import close_stages, format_program
+
+    progs = rank_programs(simulate(SCHEDULES["1f1b"](2, 2)).order, [0, 1])
+    closed = {r: close_stages(ops, commits={0, 1}) for r, ops in progs.items()}
+    rank0, rank1 = format_program(closed[0]), format_program(closed[1])
+    assert "0F1 0SEND_F1 0BN_COMMIT" in rank0 and "1F1 1BN_COMMIT" in rank1
+    assert rank0.index("0BN_COMMIT") < rank0.index("0B1") and rank1.count("BN_COMMIT") == 1
+    check_programs(closed)
+    only = format_program(close_stages(progs[1], commits={0}))  # no stage of rank 1 defers: nothing added
+    assert "BN_COMMIT" not in only
+
