@@ -45,18 +45,24 @@ from ..partition.balance import balance
 from ..partition.profile import BlockProfile
 from ..pipeline.microbatch import MIN_SAMPLES
 from ..pipeline.deps import ACCUMULATES
-from ..pipeline.orders import PER_RANK, simulate_schedule
+from ..pipeline.orders import PER_RANK, placement, simulate_schedule
 from .cut import ACTION_OVERHEAD_MS, action_durations, stage_times
 from .links import Link, allreduce_s, p2p_s
 
-__all__ = ["BlockCosts", "Layout", "Prediction", "predict", "layouts", "hop_aware_cut", "rank", "ASSUMPTIONS"]
+__all__ = ["BlockCosts", "Layout", "Prediction", "predict", "layouts", "hop_aware_cut", "rank", "ASSUMPTIONS",
+           "INTERLEAVED_PER_RANK"]
+
+# Stages per rank of an interleaved layout: two halve 1F1B's fill and drain for twice the messages over the hop
+# (more would cut a ResNet's few blocks thinner than the layouts' hop costs repay).
+INTERLEAVED_PER_RANK = 2
 
 ASSUMPTIONS = (
     "a block's time at any microbatch size is a fixed part plus a part per sample, fitted to its two profiled sizes "
     "(where the fit's fixed part is negative, sizes outside the two in proportion to the samples from the nearer "
     "one; in proportion to the samples where one size was profiled)",
     "every rank computes as fast as the device the blocks were profiled on (blocks scaled to the whole model's step)",
-    "gradients are ring-all-reduced per stage in buckets, overlapped with the stage's last backward",
+    "gradients are ring-all-reduced per stage in buckets, overlapped with the stage's last backward (a rank's "
+    "stages one after another over its link)",
     "the optimizer's update takes the profiled time (SGD with momentum), split over the stages by their parameters",
 )
 
@@ -113,21 +119,24 @@ class BlockCosts:
 @dataclass(frozen=True)
 class Layout:
     """``dp`` replicas of a pipeline of ``len(counts)`` stages (blocks per stage), ``microbatches`` each;
-    ``reduce_dtype``: the dtype the gradients are all-reduced in (None: their own)."""
+    ``reduce_dtype``: the dtype the gradients are all-reduced in (None: their own); ``per_rank``: stages per
+    pipeline rank (several only where the schedule interleaves them)."""
 
     dp: int
     counts: tuple[int, ...]
     microbatches: int
     schedule: str = "1f1b"
     reduce_dtype: torch.dtype | None = None
+    per_rank: int = 1
 
     @property
     def pp(self) -> int:
-        return len(self.counts)
+        return len(self.counts) // self.per_rank
 
     @property
     def label(self) -> str:
-        tail = f" x {self.microbatches} mb" + (f" {self.schedule}" if self.pp > 1 else "")
+        sched = self.schedule + (f" v{self.per_rank}" if self.per_rank > 1 else "")
+        tail = f" x {self.microbatches} mb" + (f" {sched}" if self.pp > 1 else "")
         wire = f", {str(self.reduce_dtype).removeprefix('torch.')} reduce" if self.reduce_dtype is not None else ""
         return f"dp {self.dp} x pp {self.pp}" + (tail if self.pp > 1 or self.microbatches > 1 else "") + wire
 
@@ -179,15 +188,16 @@ def predict(costs: BlockCosts, layout: Layout, global_batch: int, link: Link, *,
                          f"use a multiple of {layout.dp}")
     blocks = costs.at(global_batch / layout.dp / layout.microbatches)
     fwd, bwd = stage_times(blocks, layout.counts)
-    ends = [sum(layout.counts[: s + 1]) - 1 for s in range(layout.pp)]
+    n = len(layout.counts)
+    ends = [sum(layout.counts[: s + 1]) - 1 for s in range(n)]
     worst_p2p = hop_bytes = 0.0
     cross = []  # per cut, one microbatch's activation (and its gradient back) over the hop
-    for s in range(layout.pp - 1):
+    for s in range(n - 1):  # every cut crosses ranks (an interleaved rank's stages are never neighbours)
         t = p2p_s(p2p or link, blocks[ends[s]].output_bytes) * 1e3
         cross.append(t)
         worst_p2p = max(worst_p2p, 2 * t)
         hop_bytes = max(hop_bytes, 2.0 * blocks[ends[s]].output_bytes * layout.microbatches)
-    sim = simulate_schedule(layout.schedule, layout.pp, layout.microbatches, layout.pp,
+    sim = simulate_schedule(layout.schedule, n, layout.microbatches, layout.pp,
                             duration=action_durations(fwd, bwd, overhead_ms),
                             transfer=lambda s, a: cross[s] if a.kind == "F" else cross[s - 1])
     last = {}
@@ -196,18 +206,18 @@ def predict(costs: BlockCosts, layout: Layout, global_batch: int, link: Link, *,
             last[slot.stage] = slot  # slots are in start order: the last one seen is the stage's last accumulation
     total = sum(b.param_bytes for b in blocks) or 1
     end, sync, exposed, carried = sim.makespan, 0.0, 0.0, 0.0
-    start = 0
-    for s, k in enumerate(layout.counts):
-        params = sum(b.param_bytes for b in blocks[start : start + k])
+    per_stage = [sum(b.param_bytes for b in blocks[e - k + 1 : e + 1]) for e, k in zip(ends, layout.counts)]
+    for r in range(layout.pp):  # a rank's stages share its link: their gradients go over it one after another
+        mine = [s for s, q in enumerate(placement(layout.schedule, n, layout.pp)) if q == r]
+        params = sum(per_stage[s] for s in mine)
         wire = params * layout.wire_share  # the buckets are packed at the gradients' size, cast to travel
-        start += k
         carried = max(carried, 2.0 * (layout.dp - 1) / layout.dp * wire)
         buckets = max(1, math.ceil(params / bucket_bytes))
         ms = allreduce_s(link, wire, layout.dp, buckets) * 1e3
         sync = max(sync, ms)
-        b = last[s]
-        synced = max(b.end, b.end + ms / buckets, b.start + ms) if ms > 0 else b.end
-        exposed = max(exposed, synced - b.end)
+        b_start, b_end = min(last[s].start for s in mine), max(last[s].end for s in mine)
+        synced = max(b_end, b_end + ms / buckets, b_start + ms) if ms > 0 else b_end
+        exposed = max(exposed, synced - b_end)
         end = max(end, synced + update_ms * params / total)
     return Prediction(layout, end, sim.makespan, sync, exposed, worst_p2p, sim.bubble, carried, hop_bytes)
 
@@ -228,7 +238,9 @@ def layouts(blocks: Sequence[BlockProfile] | BlockCosts, ranks: int, global_batc
     balanced cut; blocks of one size scale in proportion). Replicas and
     microbatches hold at least two samples (a BatchNorm needs them); one
     stage is never microbatched (with compute linear in the samples it only
-    adds overhead). Every layout with replicas comes once per
+    adds overhead). An interleaved schedule cuts each pipeline into
+    :data:`INTERLEAVED_PER_RANK` stages per rank, where the microbatches go
+    round the ranks. Every layout with replicas comes once per
     ``reduce_dtypes`` (the all-reduce's dtypes the user allows); one without
     replicas reduces nothing.
     """
@@ -244,18 +256,21 @@ def layouts(blocks: Sequence[BlockProfile] | BlockCosts, ranks: int, global_batc
         for m in (microbatches if pp > 1 else (1,)):
             if m > per_replica // MIN_SAMPLES:
                 continue
-            if pp == 1:
-                cuts = [(len(profiled),)]
-            else:  # the costs of this count's microbatch, each cut as it runs
-                at = blocks.at(per_replica / m)
-                cuts = [tuple(balance([b.cost_ms for b in at], pp))]
-                cuts += [hop_aware_cut(at, pp, hop, 1.0)] if hop is not None else []
-            for counts in dict.fromkeys(cuts):
-                for sched in (schedules if pp > 1 else ("1f1b",)):
-                    if sched in PER_RANK and m % pp:  # its forwards go round the ranks in groups of pp
-                        continue
+            for sched in (schedules if pp > 1 else ("1f1b",)):
+                # Interleaved: INTERLEAVED_PER_RANK stages a rank (one is 1F1B), its forwards going round the
+                # ranks in groups of pp.
+                v = INTERLEAVED_PER_RANK if sched in PER_RANK else 1
+                if v > 1 and (m % pp or pp * v > len(profiled)):
+                    continue
+                if pp == 1:
+                    cuts = [(len(profiled),)]
+                else:  # the costs of this count's microbatch, each cut as it runs
+                    at = blocks.at(per_replica / m)
+                    cuts = [tuple(balance([b.cost_ms for b in at], pp * v))]
+                    cuts += [hop_aware_cut(at, pp * v, hop, 1.0)] if hop is not None else []
+                for counts in dict.fromkeys(cuts):
                     for wire in (reduce_dtypes if dp > 1 else (None,)):
-                        out.append(Layout(dp, counts, m, sched, wire))
+                        out.append(Layout(dp, counts, m, sched, wire, per_rank=v))
     return out
 
 

@@ -37,9 +37,9 @@ def candidates(ranks: int) -> tuple[str, ...]:
 
 
 def layout_schedules(requested: str) -> tuple[str, ...]:
-    """The schedules ``pp="auto"`` weighs for each pipeline layout (one stage per rank, where interleaved is
-    1F1B): the user's, or 1F1B and ZB-H1 for ``"auto"``."""
-    return ("1f1b", "zb-h1") if requested == AUTO else (requested,)
+    """The schedules ``pp="auto"`` weighs for each pipeline layout: the user's, or for ``"auto"`` 1F1B, ZB-H1
+    and interleaved (two stages per rank, :data:`~pipedp.decide.layout.INTERLEAVED_PER_RANK`)."""
+    return candidates(2) if requested == AUTO else (requested,)
 
 
 def choose_schedule(profiles: Sequence[BlockProfile], stages: StagesSpec, devices: Sequence[torch.device],

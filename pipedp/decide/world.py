@@ -103,15 +103,17 @@ class WorldChoice:
         """Every layout with predicted and measured step and what it moves over the links, the chosen one marked."""
         lines = [f"pp=auto: {self.layout.label} (links: all-reduce {self.allreduce.bytes_per_s / 1e9:.2f} GB/s + "
                  f"{self.allreduce.alpha_s * 1e6:.0f} us, point-to-point {self.p2p.bytes_per_s / 1e9:.2f} GB/s + "
-                 f"{self.p2p.alpha_s * 1e6:.0f} us; planning {self.planning_s:.1f} s)",
-                 f"  {'layout [blocks per stage]':<32} {'predicted ms':>12} {'measured ms':>12}  moves a step"]
+                 f"{self.p2p.alpha_s * 1e6:.0f} us; planning {self.planning_s:.1f} s)"]
+        labels = [_cut_label(r.layout) for r in self.rows] + [_cut_label(p.layout) for p in self.withheld]
+        w = max([32, *map(len, labels)])  # the widest label sets the column
+        lines.append(f"  {'layout [blocks per stage]':<{w}} {'predicted ms':>12} {'measured ms':>12}  moves a step")
         for r in self.rows:
             measured = f"{r.measured_ms:12.2f}" if r.measured_ms is not None else f"{'-':>12}"
             mark = "  chosen" if r.layout == self.layout else ""
-            lines.append(f"  {_cut_label(r.layout):<32} {r.prediction.step_ms:12.2f} {measured}  "
+            lines.append(f"  {_cut_label(r.layout):<{w}} {r.prediction.step_ms:12.2f} {measured}  "
                          f"{r.prediction.moves()}{mark}")
         for p in self.withheld:
-            lines.append(f"  {_cut_label(p.layout):<32} {p.step_ms:12.2f} {'not run':>12}  {p.moves()}  ({WITHHELD})")
+            lines.append(f"  {_cut_label(p.layout):<{w}} {p.step_ms:12.2f} {'not run':>12}  {p.moves()}  ({WITHHELD})")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 

@@ -173,3 +173,21 @@ def test_layouts_that_cannot_run_are_refused_by_name():
         predict(costs(bl), Layout(1, (3, 0), 2), 16, FREE)
     with pytest.raises(ValueError, match="bucket_bytes must be > 0"):
         predict(costs(bl), Layout(1, (3,), 1), 16, FREE, bucket_bytes=0)
+
+
+def test_interleaved_layouts_put_two_stages_on_each_rank_and_halve_the_bubble():
+    bl = blocks()
+    every = layouts(costs(bl), 4, 64, microbatches=(2, 4), schedules=("1f1b", "interleaved"))
+    inter = [lay for lay in every if lay.schedule == "interleaved"]
+    assert inter and all(lay.per_rank == 2 and len(lay.counts) == 2 * lay.pp for lay in inter)
+    assert all(lay.microbatches % lay.pp == 0 for lay in inter)  # the forwards go round the ranks in groups
+    assert {(lay.dp, lay.pp) for lay in inter} == {(2, 2), (1, 4)} and "interleaved v2" in inter[0].label
+    assert not [lay for lay in every if lay.pp == 1 and lay.schedule == "interleaved"]
+    # Over a free link the fill and drain shrink: 2 ranks, 4 microbatches, uniform blocks.
+    one = predict(costs(bl), Layout(1, (4, 4), 4), 64, FREE, overhead_ms=0.0)
+    two = predict(costs(bl), Layout(1, (2, 2, 2, 2), 4, "interleaved", per_rank=2), 64, FREE, overhead_ms=0.0)
+    assert two.bubble < one.bubble and two.step_ms < one.step_ms
+    # A rank's two stages reduce their gradients over its one link: a rank carries half the model.
+    slow = predict(costs(bl), Layout(2, (2, 2, 2, 2), 4, "interleaved", per_rank=2), 64, SLOW, overhead_ms=0.0)
+    half = sum(b.param_bytes for b in bl) / 2
+    assert slow.allreduce_bytes == pytest.approx(2 * (2 - 1) / 2 * half)

@@ -189,13 +189,13 @@ def test_no_trial_is_timed_where_it_could_decide_nothing(case):
     assert ("chosen by prediction, not timed" if case == "lone" else "two trials") in a["notes"][0]
 
 
-def _train_auto(rank: int, world: int, reduce_dtype: str | None = None) -> dict:
+def _train_auto(rank: int, world: int, reduce_dtype: str | None = None, kw: dict | None = None) -> dict:
     torch.manual_seed(0)
     model = sequential_cnn()
     batches = data(n=16, size=16, steps=2)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     engine = pipedp.wrap(model, optimizer=opt, loss_fn=nn.CrossEntropyLoss(), pp="auto", sample=batches[0][0],
-                         progress=False, profile=False, plan_budget_s=60.0, reduce_dtype=reduce_dtype)
+                         progress=False, profile=False, plan_budget_s=60.0, reduce_dtype=reduce_dtype, **(kw or {}))
     lay, chosen = engine.layout, engine.world.layout
     n = 16 // lay.dp  # this replica's share of each global batch
     for x, y in batches:
@@ -204,7 +204,8 @@ def _train_auto(rank: int, world: int, reduce_dtype: str | None = None) -> dict:
     return {"chosen": chosen, "dp": lay.dp, "pp": lay.pp, "microbatches": engine.plan.microbatches,
             "reduce_dtype": engine.comm.reduce_dtype, "table": engine.world.table(),
             "params": {k: p.detach().clone() for k, p in model.named_parameters() if id(p) in owned},
-            "plan": str(engine.plan)}
+            "plan": str(engine.plan), "places": [r for r, _ in engine.decision.places],
+            "schedule": engine.schedule}
 
 
 @pytest.mark.parametrize("reduce_dtype", [None, "auto"])
@@ -224,6 +225,19 @@ def test_pp_auto_builds_the_layout_it_chose_and_trains_as_plain_training(reduce_
     for got in (a["params"], b["params"]):
         assert got  # every rank owns some parameters
         assert max((got[k] - want[k].detach()).abs().max().item() for k in got) < tol
+
+
+def test_pp_auto_weighs_interleaved_layouts_and_trains_the_one_it_chose():
+    a, b = multiproc.run(_train_auto, 2, None, dict(schedule="interleaved", microbatches=2), timeout_s=180)
+    chosen = a["chosen"]
+    assert a["chosen"] == b["chosen"] and "dp 1 x pp 2 x 2 mb interleaved v2" in a["table"]
+    if chosen.pp == 2:  # two stages a rank, stage s on rank s mod 2
+        assert chosen.per_rank == 2 and a["places"] == [0, 1, 0, 1] and a["schedule"] == "interleaved"
+    torch.manual_seed(0)
+    ref = plain_steps(sequential_cnn(), data(n=16, size=16, steps=2), microbatches=chosen.microbatches)
+    want = dict(ref.named_parameters())
+    for got in (a["params"], b["params"]):
+        assert got and max((got[k] - want[k].detach()).abs().max().item() for k in got) < 1e-5
 
 
 def test_pp_auto_in_one_process_is_the_one_layout_and_needs_no_sample():
