@@ -15,10 +15,9 @@ from .engine import Engine
 from .optimizer import OptimizerSpec
 from .options import (
     DEFAULT_BUCKET_MB, ConcurrencyOptions, GradHook, DataParallelOptions, KernelOptions, MicrobatchSpec, PipelineOptions,
-    RecomputeSpec, StagesSpec, TrainingOptions,
+    RecomputeSpec, StagesSpec, ThreadsSpec, TrainingOptions,
 )
 from .partition.report import CutReport, inspect_cut
-from .partition.threads import ThreadsSpec
 from .snapshot import forked_rng
 from .step import LossFn
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Sequence, Union
 
 import torch
 from torch import nn
 
-__all__ = ["parse_device", "resolve_devices", "canonical_device", "sync_devices", "DeviceSpec"]
+__all__ = ["parse_device", "resolve_devices", "canonical_device", "sync_devices", "available_cores", "DeviceSpec"]
 
 DeviceSpec = Union[None, str, int, torch.device, Sequence[Union[str, int, torch.device]]]
 
@@ -72,3 +73,11 @@ def sync_devices(devices: Sequence[torch.device]) -> None:
     for d in devices:
         if d.type == "cuda":
             torch.cuda.synchronize(d)
+
+
+def available_cores() -> list[int]:
+    """The cores this process may run on (its affinity mask), in order."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return list(range(os.cpu_count() or 1))

@@ -16,8 +16,7 @@ import torch
 
 from .checks import non_negative_int, one_of, positive_int, positive_number
 from .defaults import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT_S, KERNEL_MODES
-from .device import DeviceSpec
-from .partition.threads import ThreadsSpec, check_threads
+from .device import DeviceSpec, available_cores
 from .pipeline.orders import PER_RANK, check_schedule
 from .pipeline.schedule import SPLIT
 
@@ -27,13 +26,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PipelineOptions", "DataParallelOptions", "KernelOptions", "TrainingOptions", "ConcurrencyOptions", "DeviceSpec",
-    "StagesSpec", "BATCHNORM_MODES", "DEFAULT_BUCKET_MB", "PRECISIONS", "RecomputeSpec", "GradHook", "MicrobatchSpec", "DEFAULT_MICROBATCHES",
+    "StagesSpec", "ThreadsSpec", "check_threads", "BATCHNORM_MODES", "DEFAULT_BUCKET_MB", "PRECISIONS", "RecomputeSpec", "GradHook", "MicrobatchSpec", "DEFAULT_MICROBATCHES",
 ]
 
 BATCHNORM_MODES = ("microbatch", "batch")
 PRECISIONS = ("fp32", "bf16", "fp16")
 RecomputeSpec = Union[bool, Sequence[int]]
 StagesSpec = Union[int, str, Sequence[int]]  # "auto", a stage count, or blocks per stage
+ThreadsSpec = Union[None, str, Sequence[int]]  # None (stages in order), "auto", or a thread count per stage
 GradHook = Callable[[Sequence[torch.nn.Parameter]], None]  # this rank's parameters, gradients final
 MicrobatchSpec = Union[int, Literal["auto"], None]
 DEFAULT_MICROBATCHES = 4  # what microbatches=None gives a given stage count where no layer couples the batch
@@ -241,6 +241,27 @@ class KernelOptions:
             if not isinstance(self.db, (str, os.PathLike)):
                 raise ValueError(f"kernel_db must be a folder path, got {type(self.db).__name__}")
             object.__setattr__(self, "db", os.fspath(self.db))
+
+
+def check_threads(threads: object, stages: object = None, cores: int | None = None) -> ThreadsSpec:
+    """``threads`` as an option: None, ``"auto"`` or a positive count per stage (clear error otherwise)."""
+    if threads is None or threads == "auto":
+        return threads  # type: ignore[return-value]
+    ok = isinstance(threads, (list, tuple)) and len(threads) > 0 and all(
+        isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in threads)
+    if not ok:
+        raise ValueError(f"threads must be None, 'auto' or a list of positive thread counts per stage, got {threads!r}")
+    counts = tuple(threads)  # type: ignore[arg-type]
+    n = stages if isinstance(stages, int) and not isinstance(stages, bool) else (
+        len(stages) if isinstance(stages, (list, tuple)) else None)
+    if n is not None and n != len(counts):
+        raise ValueError(f"threads={list(counts)} gives {len(counts)} stage(s) a count but stages={stages!r} makes "
+                         f"{n}: pass one count per stage, or threads='auto'")
+    cores = cores if cores is not None else len(available_cores())
+    if sum(counts) > cores:
+        raise ValueError(f"threads={list(counts)} asks for {sum(counts)} threads but this process may use {cores} "
+                         f"core(s): stages running at once would share cores; lower the counts to sum to <= {cores}")
+    return counts
 
 
 def _recompute(v: object) -> bool | tuple[int, ...]:

@@ -195,8 +195,14 @@ RUNTIME = ("pipedp.lower", "pipedp.build", "pipedp.step", "pipedp.engine", "pipe
            "pipedp.comm")
 
 
-# The options (the user's request) validate against names kept below both sides (pipedp.defaults).
-OPTIONS_NEVER = ("pipedp.decide", "pipedp.distributed", "pipedp.ops")
+# The options (the user's request) validate against names kept below both sides (pipedp.defaults), the host's
+# devices and the schedules' names; nothing else of pipedp.
+OPTIONS_MAY = ("pipedp.checks", "pipedp.defaults", "pipedp.device")
+
+
+def _schedule_data(name: str) -> bool:
+    parts = name.split(".")
+    return parts[:2] == ["pipedp", "pipeline"] and len(parts) > 2 and parts[2] in SCHEDULE_DATA
 
 
 def _runtime(name: str) -> bool:
@@ -214,7 +220,8 @@ def _layer_violations(rel: str, source: str) -> list[str]:
             found.append(f"{rel}:{line}: the planner imports the runtime ({target})")
         elif _runtime(importer) and _under(importer, "pipedp.pipeline") and _under(target, "pipedp.decide"):
             found.append(f"{rel}:{line}: the runtime imports the planner ({target})")
-        elif importer == "pipedp.options" and (_runtime(target) or _under(target, *OPTIONS_NEVER)):
+        elif importer == "pipedp.options" and _under(target, "pipedp") and not _under(target, *OPTIONS_MAY) \
+                and not _schedule_data(target):
             found.append(f"{rel}:{line}: the options import the runtime or the planner ({target})")
     return sorted(set(found))
 
@@ -230,3 +237,5 @@ def test_the_planner_and_the_runtime_import_each_other_nowhere_and_the_options_n
     assert _layer_violations("pipedp/pipeline/new.py", "from ..decide.cut import stage_places\n")
     assert _layer_violations("pipedp/options.py", "from .ops.swap import KERNEL_MODES\n")
     assert not _layer_violations("pipedp/options.py", "from .defaults import KERNEL_MODES\n")
+    assert _layer_violations("pipedp/options.py", "from .partition.threads import check_threads\n")
+    assert not _layer_violations("pipedp/options.py", "from .pipeline.orders import check_schedule\n")

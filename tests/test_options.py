@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import pipedp
+from pipedp import options
 from pipedp import ConcurrencyOptions, DataParallelOptions, KernelOptions, PipelineOptions, TrainingOptions
 
 
@@ -132,3 +133,16 @@ def test_wrap_passes_the_concurrency_options_to_the_engine():
 def test_schedule_auto_is_a_request_the_plan_resolves():
     assert PipelineOptions(schedule="auto").schedule == "auto"  # the request stays the user's
     assert PipelineOptions(schedule="auto", stages=2, threads=[1, 1]).threads == (1, 1)  # resolves to 1f1b there
+
+
+def test_check_threads_errors():
+    assert options.check_threads(None) is None and options.check_threads("auto") == "auto"
+    assert options.check_threads([1, 1], stages=2, cores=2) == (1, 1)
+    with pytest.raises(ValueError, match="one count per stage"):
+        options.check_threads([1, 1], stages=3, cores=8)
+    with pytest.raises(ValueError, match="sum to <= 2"):
+        options.check_threads([2, 1], cores=2)
+    with pytest.raises(ValueError, match="positive thread counts"):
+        options.check_threads([0, 1], cores=8)
+    with pytest.raises(ValueError, match="positive thread counts"):
+        options.check_threads("many")

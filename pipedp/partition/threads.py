@@ -20,12 +20,14 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence, Union
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
-from ..pipeline.cpu_lane import CpuWorker, available_cores
+from ..device import available_cores
+from ..options import ThreadsSpec
+from ..pipeline.cpu_lane import CpuWorker
 from ..pipeline.deps import action_ms
 from ..pipeline.schedule import get_schedule
 from ..pipeline.simulate import simulate
@@ -33,12 +35,11 @@ from .blocks import Block
 from .profile import BlockProfile, profile_blocks
 
 __all__ = [
-    "ThreadsSpec", "ThreadCurve", "CpuPlan", "CpuChoice", "check_threads", "profile_counts", "fit_amdahl",
+    "ThreadCurve", "CpuPlan", "CpuChoice", "profile_counts", "fit_amdahl",
     "profile_threads", "split_threads", "predict", "neighbours", "choose_cpu_plan", "concurrent_cpu", "plan_cpu",
     "step_ms", "at_threads", "concurrent_times", "MIN_GAIN",
 ]
 
-ThreadsSpec = Union[None, str, Sequence[int]]
 MIN_GAIN = 0.03  # a move or a concurrent plan must be measured this much faster (more than step-to-step noise)
 MAX_STAGES = 4
 CLIMB_TRIALS = 6  # measured neighbours per plan, at most
@@ -71,27 +72,6 @@ def step_ms(run: Callable[[], object], steps: int = TRIAL_STEPS, warmup: bool = 
         run()
         times.append((time.perf_counter() - t0) * 1e3)
     return min(times)
-
-
-def check_threads(threads: object, stages: object = None, cores: int | None = None) -> ThreadsSpec:
-    """``threads`` as an option: None, ``"auto"`` or a positive count per stage (clear error otherwise)."""
-    if threads is None or threads == "auto":
-        return threads  # type: ignore[return-value]
-    ok = isinstance(threads, (list, tuple)) and len(threads) > 0 and all(
-        isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in threads)
-    if not ok:
-        raise ValueError(f"threads must be None, 'auto' or a list of positive thread counts per stage, got {threads!r}")
-    counts = tuple(threads)  # type: ignore[arg-type]
-    n = stages if isinstance(stages, int) and not isinstance(stages, bool) else (
-        len(stages) if isinstance(stages, (list, tuple)) else None)
-    if n is not None and n != len(counts):
-        raise ValueError(f"threads={list(counts)} gives {len(counts)} stage(s) a count but stages={stages!r} makes "
-                         f"{n}: pass one count per stage, or threads='auto'")
-    cores = cores if cores is not None else len(available_cores())
-    if sum(counts) > cores:
-        raise ValueError(f"threads={list(counts)} asks for {sum(counts)} threads but this process may use {cores} "
-                         f"core(s): stages running at once would share cores; lower the counts to sum to <= {cores}")
-    return counts
 
 
 def profile_counts(cores: int) -> list[int]:

@@ -37,17 +37,11 @@ from typing import Callable, Hashable, Iterable, Sequence
 
 import torch
 
+from ..device import available_cores
+
 __all__ = ["CpuWorker", "Flight", "available_cores", "core_sets"]
 
 _STOP = None
-
-
-def available_cores() -> list[int]:
-    """The cores this process may run on (its affinity mask), in order."""
-    try:
-        return sorted(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return list(range(os.cpu_count() or 1))
 
 
 def core_sets(threads: Sequence[int], cores: Sequence[int] | None = None) -> list[tuple[int, ...] | None]:

@@ -8,7 +8,7 @@ from torch import nn
 
 from pipedp.partition import Block
 from pipedp.partition.threads import (
-    CpuPlan, ThreadCurve, check_threads, choose_cpu_plan, fit_amdahl, neighbours, predict, profile_counts,
+    CpuPlan, ThreadCurve, choose_cpu_plan, fit_amdahl, neighbours, predict, profile_counts,
     profile_threads, split_threads,
 )
 
@@ -114,19 +114,6 @@ def test_fixed_cut_gets_threads_only():
                              stages=[2, 1])
     assert choice.plan.counts == (2, 1) and sum(choice.plan.threads) <= 4
     assert choice.plan.threads[1] >= choice.plan.threads[0]  # the heavier stage gets more cores
-
-
-def test_check_threads_errors():
-    assert check_threads(None) is None and check_threads("auto") == "auto"
-    assert check_threads([1, 1], stages=2, cores=2) == (1, 1)
-    with pytest.raises(ValueError, match="one count per stage"):
-        check_threads([1, 1], stages=3, cores=8)
-    with pytest.raises(ValueError, match="sum to <= 2"):
-        check_threads([2, 1], cores=2)
-    with pytest.raises(ValueError, match="positive thread counts"):
-        check_threads([0, 1], cores=8)
-    with pytest.raises(ValueError, match="positive thread counts"):
-        check_threads("many")
 
 
 def test_profile_threads_fits_every_block():
