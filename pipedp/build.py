@@ -180,17 +180,13 @@ def lower_pipeline(model: nn.Module, parts: Parts, profiles: Sequence[BlockProfi
     if kernels is not None:  # every rank runs the kernels the decision names (trials may have switched them)
         kernels.use(decision.kernels)
     counts = list(decision.counts)
-    devices = list(dict.fromkeys(d for r, d in decision.places if r == comm.pp_rank))
     # The deciding rank's microbatches, as this rank's batch runs them (a small one with fewer, as every step).
     sizes = microbatch.sizes(batch.shape[0], microbatch.count(batch.shape[0], decision.microbatches))
     if decision.pp > 1:
         _check_shared_within_ranks(model, parts.blocks, counts, [r for r, _ in decision.places])
     executor, transport = make_executor(parts, decision, comm, profiles=profiles, step=step, reuse=reuse)
-    plan = build_plan(
-        profiles, decision, devices, microbatch_size=sizes[0], schedule=decision.schedule,
-        batchnorm=levers.batchnorm, source=decision.source, notes=decision.notes, ranks=decision.pp,
-        layout=comm.describe(), contract=contract(decision.microbatches, coupled),
-    )
+    plan = build_plan(profiles, decision, microbatch_size=sizes[0], layout=comm.describe(),
+                      contract=contract(decision.microbatches, coupled))
     if decision.threads is not None:
         shared = batchnorms_in_several([st.chain for st in executor.stages])
         if shared:

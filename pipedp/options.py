@@ -26,11 +26,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PipelineOptions", "DataParallelOptions", "KernelOptions", "TrainingOptions", "ConcurrencyOptions", "DeviceSpec",
-    "StagesSpec", "ThreadsSpec", "check_threads", "BATCHNORM_MODES", "DEFAULT_BUCKET_MB", "PRECISIONS", "RecomputeSpec", "GradHook", "MicrobatchSpec", "DEFAULT_MICROBATCHES",
+    "StagesSpec", "ThreadsSpec", "check_threads", "BATCHNORM_MODES", "DEFAULT_BUCKET_MB", "PRECISIONS", "AUTOCAST_DTYPES", "RecomputeSpec", "GradHook", "MicrobatchSpec", "DEFAULT_MICROBATCHES",
 ]
 
 BATCHNORM_MODES = ("microbatch", "batch")
 PRECISIONS = ("fp32", "bf16", "fp16")
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # what each mixed precision computes in
 RecomputeSpec = Union[bool, Sequence[int]]
 StagesSpec = Union[int, str, Sequence[int]]  # "auto", a stage count, or blocks per stage
 ThreadsSpec = Union[None, str, Sequence[int]]  # None (stages in order), "auto", or a thread count per stage
@@ -330,7 +331,7 @@ class TrainingOptions:
     @property
     def autocast_dtype(self) -> torch.dtype | None:
         """The dtype stages compute in under autocast (None: fp32, no autocast)."""
-        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
+        return AUTOCAST_DTYPES.get(self.precision)
 
 
 @dataclass(frozen=True)

@@ -101,7 +101,14 @@ def simulate_plan(
     ranks: int = 1,
 ) -> Simulation:
     """Simulated step of the cut ``counts`` with per-stage times from the profiles."""
-    devs = stage_places(len(counts), devices, ranks, schedule)
+    return _simulate_placed(profiles, counts, stage_places(len(counts), devices, ranks, schedule), microbatches,
+                            schedule, ranks)
+
+
+def _simulate_placed(profiles: Sequence[BlockProfile], counts: Sequence[int],
+                     devs: Sequence[tuple[int, torch.device]], microbatches: int, schedule: str,
+                     ranks: int) -> Simulation:
+    """:func:`simulate_plan` with each stage's (rank, device) given."""
     fwd, bwd = stage_times(profiles, counts)
     ends = [sum(counts[: s + 1]) - 1 for s in range(len(counts))]
     for s in range(len(counts) - 1):
@@ -218,21 +225,15 @@ def untimed_microbatches(stages: int, batch: int) -> int:
 def build_plan(
     profiles: Sequence[BlockProfile],
     decision: Decision,
-    devices: Sequence[torch.device],
     *,
     microbatch_size: int,
-    schedule: str,
-    batchnorm: str,
-    source: str,
-    notes: Sequence[str] = (),
-    ranks: int = 1,
     layout: str = "",
     contract: str = "",
 ) -> Plan:
-    """The printable plan of ``decision``: stages with their blocks, devices and predicted costs."""
-    counts, microbatches = decision.counts, decision.microbatches
-    sim = simulate_plan(profiles, counts, devices, microbatches, schedule, ranks)
-    places = stage_places(len(counts), devices, ranks, schedule)
+    """The printable plan of a settled ``decision``: stages with their blocks, places and predicted costs."""
+    counts, microbatches, places, ranks = decision.counts, decision.microbatches, decision.places, decision.pp
+    schedule = decision.schedule
+    sim = _simulate_placed(profiles, counts, places, microbatches, schedule, ranks)
     stages = []
     for s, group in enumerate(_per_stage(profiles, counts)):
         r, dev = places[s]
@@ -252,10 +253,10 @@ def build_plan(
         microbatches=microbatches,
         microbatch_size=microbatch_size,
         schedule=schedule,
-        batchnorm=batchnorm,
+        batchnorm=decision.settled.batchnorm,
         predicted_step_ms=sim.makespan,
-        source=source,
-        notes=tuple(notes),
+        source=decision.source,
+        notes=decision.notes,
         layout=layout,
         contract=contract,
         trials=decision.trials,

@@ -207,8 +207,9 @@ def predict(costs: BlockCosts, layout: Layout, global_batch: int, link: Link, *,
     total = sum(b.param_bytes for b in blocks) or 1
     end, sync, exposed, carried = sim.makespan, 0.0, 0.0, 0.0
     per_stage = [sum(b.param_bytes for b in blocks[e - k + 1 : e + 1]) for e, k in zip(ends, layout.counts)]
+    rank_of = placement(layout.schedule, n, layout.pp)
     for r in range(layout.pp):  # a rank's stages share its link: their gradients go over it one after another
-        mine = [s for s, q in enumerate(placement(layout.schedule, n, layout.pp)) if q == r]
+        mine = [s for s, q in enumerate(rank_of) if q == r]
         params = sum(per_stage[s] for s in mine)
         wire = params * layout.wire_share  # the buckets are packed at the gradients' size, cast to travel
         carried = max(carried, 2.0 * (layout.dp - 1) / layout.dp * wire)

@@ -16,14 +16,11 @@ from typing import Sequence
 
 import torch
 
-from ..options import ConcurrencyOptions, GradHook, PipelineOptions, TrainingOptions
+from ..options import AUTOCAST_DTYPES, ConcurrencyOptions, GradHook, PipelineOptions, TrainingOptions
 from .cut import stage_places
 from .decision import Decision
 
 __all__ = ["Levers", "resolve_levers", "settle"]
-
-_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 @dataclass(frozen=True)
 class Levers:
@@ -44,7 +41,7 @@ class Levers:
     @property
     def autocast(self) -> torch.dtype | None:
         """The dtype stages compute in under autocast (None: fp32, no autocast)."""
-        return _AUTOCAST.get(self.precision)
+        return AUTOCAST_DTYPES.get(self.precision)
 
     def recomputes(self, stage: int) -> bool:
         return stage in self.recompute

@@ -39,8 +39,7 @@ class BuiltTrials:
     def thread_plan_ms(self, plan: CpuPlan) -> float:
         """A first step also allocates; every plan's first step pays that alike, so none is left out."""
         if plan not in self.runs:
-            config = Config(tuple(plan.counts), plan.microbatches,
-                            threads=tuple(plan.threads) if plan.threads is not None else None)
+            config = Config(plan.counts, plan.microbatches, threads=plan.threads)
             planned = settle(Decision(config, schedule=fixed(self.options.schedule)), self.options, self.training,
                              None, [self.batch.device], self.comm.pp, trial=True)
             ex, _ = make_executor(self.parts, planned, self.comm)

@@ -28,7 +28,7 @@ from ..decide.levers import settle
 from ..decide.schedules import fixed
 from ..device import sync_devices
 from ..lower import in_layout, make_executor, set_layout, trial
-from ..options import ConcurrencyOptions, PipelineOptions, TrainingOptions
+from ..options import AUTOCAST_DTYPES, ConcurrencyOptions, PipelineOptions, TrainingOptions
 from ..partition.parts import OneTensor, Parts, surrogate_loss
 from ..pipeline import microbatch
 from ..pipeline.concurrency import install
@@ -38,7 +38,6 @@ from ..pipeline.stage import Stage
 __all__ = ["DeviceClock", "windows_ms"]
 
 WINDOW_STEPS = 3  # steps per timed window (fewer when a trial has fewer steps)
-_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 
 
 def windows_ms(run: Callable[[], object], steps: int, devices: Sequence[torch.device]) -> float:
@@ -155,7 +154,7 @@ class DeviceClock:
         if config.compiled:
             whole = torch.compile(whole)  # type: ignore[assignment]
         x = in_layout(self.batch, config.channels_last)
-        dtype = _AUTOCAST[config.precision] if config.precision is not None else self.training.autocast_dtype
+        dtype = AUTOCAST_DTYPES.get(config.precision) if config.precision is not None else self.training.autocast_dtype
         kind = self.devices[0].type
 
         trains = self.parts.trains  # else the forward alone: a model with nothing to train serves inference

@@ -6,6 +6,8 @@ from pipedp.decide import Config, Decision
 from pipedp.decide.cut import (
     AUTO_MICROBATCHES, build_plan, resolve_counts, simulate_plan, stage_devices, stage_places, untimed_microbatches,
 )
+from pipedp.decide.levers import settle
+from pipedp.options import PipelineOptions, TrainingOptions
 
 CPU = torch.device("cpu")
 
@@ -13,6 +15,12 @@ CPU = torch.device("cpu")
 def profiles(costs):
     return [BlockProfile(f"b{i}", c / 3, 2 * c / 3, 1000, 4000, 100) for i, c in enumerate(costs)]
 
+
+
+def _settled(config, ranks=1, schedule="1f1b", source="profile", batchnorm="microbatch"):
+    """A decision of ``config`` settled on the CPU over ``ranks`` pipeline ranks, as the build settles it."""
+    return settle(Decision(config, schedule=schedule, source=source), PipelineOptions(batchnorm=batchnorm),
+                  TrainingOptions(), None, [CPU], ranks)
 
 def test_stage_devices_groups_stages_contiguously():
     d = [torch.device("cuda", 0), torch.device("cuda", 1)]
@@ -56,8 +64,7 @@ def test_serial_device_simulation_is_the_sum_of_the_work():
 
 def test_build_plan_fills_stage_rows():
     profs = profiles([1.0, 2.0, 3.0])
-    p = build_plan(profs, Decision(Config((2, 1), 4)), [CPU], microbatch_size=8, schedule="1f1b",
-                   batchnorm="batch", source="profile")
+    p = build_plan(profs, _settled(Config((2, 1), 4), batchnorm="batch"), microbatch_size=8)
     assert [s.blocks for s in p.stages] == [("b0", "b1"), ("b2",)]
     assert p.stages[0].predicted_ms == pytest.approx(3.0) and p.stages[0].stream == "host"
     # 1F1B: stage 0 of 2 keeps 2 microbatches of saved activations, the last stage 1.
@@ -72,8 +79,8 @@ def test_pipeline_ranks_get_contiguous_stages_and_overlap():
     # Stages on different ranks run concurrently even on CPUs: the step is shorter than serial.
     serial = simulate_plan(profs, [2, 2], [CPU], 4, "1f1b").makespan
     assert simulate_plan(profs, [2, 2], [CPU], 4, "1f1b", ranks=2).makespan < serial
-    plan = build_plan(profs, Decision(Config((2, 2), 4)), [CPU], microbatch_size=2, schedule="1f1b",
-                      batchnorm="microbatch", source="cost model", ranks=2, layout="2 ranks")
+    plan = build_plan(profs, _settled(Config((2, 2), 4), ranks=2, source="cost model"), microbatch_size=2,
+                      layout="2 ranks")
     assert [s.device for s in plan.stages] == ["pp0:cpu", "pp1:cpu"] and "layout: 2 ranks" in str(plan)
     for bad in (3, [1, 1, 2]):
         with pytest.raises(ValueError, match="multiple of 2"):
@@ -84,8 +91,8 @@ def test_an_interleaved_pipeline_places_stage_s_on_rank_s_mod_pp():
     devs = [torch.device("cuda", 0), torch.device("cuda", 1)]
     assert stage_places(4, [CPU], 2, "interleaved") == [(0, CPU), (1, CPU), (0, CPU), (1, CPU)]
     assert stage_places(8, devs, 2, "interleaved") == [(s % 2, devs[s // 4]) for s in range(8)]
-    plan = build_plan(profiles([1] * 4), Decision(Config((1, 1, 1, 1), 2)), [CPU], microbatch_size=2,
-                      schedule="interleaved", batchnorm="microbatch", source="cost model", ranks=2)
+    plan = build_plan(profiles([1] * 4), _settled(Config((1, 1, 1, 1), 2), ranks=2, schedule="interleaved",
+                                                  source="cost model"), microbatch_size=2)
     assert [s.device for s in plan.stages] == ["pp0:cpu", "pp1:cpu", "pp0:cpu", "pp1:cpu"]
 
 
