@@ -48,7 +48,7 @@ from .partition.profile import BlockProfile
 from .partition.threads import concurrent_times
 from .pipeline import microbatch
 from .pipeline.batchnorm import DeferredBatchNorm, batchnorms_in_several, deferred_in
-from .pipeline.concurrency import Concurrency, install
+from .pipeline.concurrency import Concurrency, connect, install
 from .pipeline.executor import Executor
 from .pipeline.gradsync import GradSync
 from .pipeline.p2p import Transport
@@ -73,7 +73,7 @@ class Pipeline:
     transport: Transport | None  # messages between pipeline ranks
     batchnorm: DeferredBatchNorm | None  # "batch", or a BatchNorm used by several stages: deferred updates
     buffers: BufferSnapshot  # to put buffers back after a failed step
-    concurrency: Concurrency | None = None  # branches / split weight gradients swapped in (undo() puts back)
+    concurrency: Concurrency | None = None  # the concurrency pieces: branches swapped in (undo() puts back)
 
     @property
     def microbatches(self) -> int:
@@ -84,7 +84,7 @@ class Pipeline:
         return self.decision.channels_last
 
     def detach(self) -> None:
-        """Take off the user's model what this pipeline put on it (swapped blocks and convolutions, BatchNorm
+        """Take off the user's model what this pipeline put on it (swapped blocks, BatchNorm
         and gradient hooks), so that a closed or dropped engine leaves the plain model; safe to call twice."""
         if self.concurrency is not None:
             self.concurrency.undo()
@@ -140,7 +140,6 @@ def build_pipeline(model: nn.Module, batch: torch.Tensor, options: PipelineOptio
     parts, uncut = _parts(model, sample, options, comm)
     # Every rank must run the same plan: the first rank decides, the others follow.
     warm: dict[Config, Sequence[object]] = {}  # compiled stages of the deciding rank's trials, to reuse
-    was = kernels.on if kernels is not None else False
     # The cache holds decisions timed on the machine's own clock: not those of an injected one or of pp="auto".
     cache = _plan_cache(options) if measure is None and given is None else None
 
@@ -152,17 +151,11 @@ def build_pipeline(model: nn.Module, batch: torch.Tensor, options: PipelineOptio
             _fingerprint(model, batch, devices, options, comm, training, concurrency, kernels),
             [b.name for b in parts.blocks], saved, cache)
 
-    try:
-        profiles, decision, record = comm.decide(plan)
-    except BaseException:
-        if kernels is not None:  # trials may have switched them: as wrap left them
-            kernels.use(was)
-        raise
+    profiles, decision, record = comm.decide(plan)  # the trials put the kernels back as they found them
     if training.channels_last == "auto":  # trials may have left the model in either layout
         set_layout(model, decision.channels_last)
     notes = [*uncut, *kept_note(options.microbatches, options.stages, coupled, comm.pp)]
-    decision = settle(replace(decision, notes=(*notes, *decision.notes)), options, training, concurrency, devices,
-                      comm.pp, comm.world // comm.pp)
+    decision = settle(decision, options, training, concurrency, devices, comm.pp, comm.world // comm.pp, notes=notes)
     return lower_pipeline(model, parts, profiles, decision, record, batch, comm, step=step, kernels=kernels,
                           coupled=coupled, reuse=warm.get(decision.config))
 
@@ -202,8 +195,8 @@ def lower_pipeline(model: nn.Module, parts: Parts, profiles: Sequence[BlockProfi
     sync = comm.grad_sync(executor.stages)
     # Last (nothing after it can fail), after profiling and trials, which time the model as it is.
     concurrent = install(executor, levers) if levers.branches or levers.split_grads else None
+    connect(executor, sync)
     if concurrent is not None:
-        concurrent.connect(executor, sync)
         plan = replace(plan, notes=(*plan.notes, *concurrent.notes()))
     return Pipeline(
         executor=executor,

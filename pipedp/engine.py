@@ -39,7 +39,7 @@ from .partition.blocks import check_materialised, check_not_wrapped, check_one_i
 from .pipeline import microbatch
 from .pipeline.early_update import EarlyUpdate
 from .pipeline.executor import Executor, StepTimer
-from .pipeline.gradsync import SyncStats
+from .pipeline.sync_stats import SyncStats
 from .pipeline.trace import Clock
 from .plan import Plan
 from .precision import LossScaler
@@ -220,9 +220,9 @@ class Engine:
                                     levers.grad_hook)
             early = None
             if levers.early_update:
-                ex, side = pipe.executor, pipe.concurrency
+                ex = pipe.executor
                 early = EarlyUpdate(self.optimizer, ex.stages, ex.train_order,
-                                    {st.index: side.lanes(st.index) for st in ex.stages} if side is not None else None)
+                                    {st.index: ex.lanes_of(st.index) for st in ex.stages})
             self._runner = StepRunner(self.module, pipe, self.optimizer, self.loss_fn, self.comm, grads, early)
         return self._runner
 

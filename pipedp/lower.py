@@ -24,7 +24,7 @@ from .pipeline.cpu_lane import core_sets
 from .pipeline.executor import Executor
 from .pipeline.p2p import Transport
 from .pipeline.recompute import Recompute
-from .pipeline.orders import per_stage, rank_orders
+from .pipeline.orders import per_stage, rank_orders, split_backwards
 from .pipeline.stage import Stage
 from .pipeline.stream import new_lane
 
@@ -108,11 +108,14 @@ def make_executor(parts: Parts, decision: Decision, comm: Communicator, *,
     commits = commit_stages(groups, levers.batchnorm)
     duration = action_durations(*stage_times(profiles, counts)) if profiles is not None else None
     orders = rank_orders(decision.schedule, len(counts), decision.microbatches, comm.pp, duration=duration)
+    if levers.split_grads:
+        orders = split_backwards(orders)
     per = per_stage(orders, len(counts))
     mine = [d for r, d in places if r == comm.pp_rank]
     transport = comm.transport(mine[0], step)
     stage_rank = comm.stage_ranks([r for r, _ in places])
+    side = levers.split_grads  # each backward as I then W, W on the stage's side lane
     if stage_rank is None:
-        return Executor(stages, per, duration=duration, orders=orders, commits=commits), None
+        return Executor(stages, per, duration=duration, orders=orders, commits=commits, side_weights=side), None
     return Executor(stages, per, duration=duration, stage_rank=stage_rank, rank=comm.rank,
-                    transport=transport, orders=orders, commits=commits), transport
+                    transport=transport, orders=orders, commits=commits, side_weights=side), transport

@@ -342,9 +342,10 @@ class ConcurrencyOptions:
     stage leaves partly idle, with work that is independent at full batch
     (kernels keep their size). ``branches``: a residual block's shortcut /
     downsample path runs on a side stream beside the main path
-    (:mod:`pipedp.pipeline.branches`). ``split_grads``: a convolution's weight
-    gradient runs on a side stream while its input gradient continues the
-    backward (:mod:`pipedp.pipeline.split_grad`). ``early_update``: a stage's
+    (:mod:`pipedp.pipeline.branches`). ``split_grads``: each backward runs as its
+    input gradient (I) and then its weight gradients (W, of the convolutions
+    and linear layers) on the stage's side stream, beside the stage's next
+    action (:mod:`pipedp.pipeline.weight_grad`). ``early_update``: a stage's
     optimizer update starts as soon as its last backward (and gradient sync)
     is done, while earlier stages are still in backward
     (:mod:`pipedp.pipeline.early_update`). On a CPU the same code runs in

@@ -36,7 +36,7 @@ from .config import Config
 from .coupling import Resolved, resolve_microbatches
 from .cpu import decide_cpu
 from .cut import AUTO_MICROBATCHES, MAX_TRIAL_STAGES, resolve_counts, untimed_microbatches
-from .decision import Decision
+from .decision import Choice, Decision
 from .schedules import AUTO, choose_schedule, fixed
 from .hazards import channels_last_hazard
 from .layout import Layout
@@ -172,42 +172,41 @@ def decide(parts: Parts, model: nn.Module, sample: torch.Tensor, batch: torch.Te
                                       **rounds)
         else:
             profiles = estimate_blocks(blocks, sample)
+        extra: tuple[str, ...] = ()  # notes of the timed trials, after the search's own
         if given is not None:
             if sum(given.counts) != len(parts.blocks):
                 raise ValueError(f"pp=auto chose {given.label} over {sum(given.counts)} blocks, but the model is cut "
                                  f"into {len(parts.blocks)} here: pass pp=N and stages= by hand for this model")
-            decision = Decision(Config(tuple(given.counts), given.microbatches, training.channels_last is True,
-                                       training.compile is True, concurrent=pieces),
-                                (f"pp=auto: {given.label}, the world's layout (engine.world.table() says how "
-                                 f"it was chosen)",), schedule=given.schedule)
+            choice = Choice(Config(tuple(given.counts), given.microbatches, training.channels_last is True,
+                                   training.compile is True),
+                            (f"pp=auto: {given.label}, the world's layout (engine.world.table() says how it was "
+                             f"chosen)",), schedule=given.schedule)
         elif threaded:
-            channels_last = training.channels_last is True
-            profiles, decision = decide_cpu(parts, blocks, profiles, sample, batch, options,
-                                            _needed(trials).thread_plan_ms, choices, channels_last,
-                                            compiled=training.compile is True)
-            decision = replace(decision, schedule=fixed(options.schedule))
+            profiles, choice = decide_cpu(parts, blocks, profiles, sample, batch, options,
+                                          _needed(trials).thread_plan_ms, choices, training.channels_last is True,
+                                          compiled=training.compile is True, schedule=fixed(options.schedule))
         elif by_trials:
             owned = None if measure is not None else _needed(trials).clock(
-                kernels.use if kernels is not None and levers != (False,) else None)
+                kernels if kernels is not None and levers != (False,) else None)
             hazard = channels_last_hazard(model, devices[0], batch) if training.channels_last == "auto" else None
-            decision = _timed(_space(parts, profiles, model, devices[0], choices, training, concurrency, hazard,
-                                     levers, _kept_whole(options, coupled, batch.shape[0])),
-                              owned if owned is not None else measure, budget, options, devices[0], warm, owned)
-            decision = replace(decision, notes=(*decision.notes, *(n for n in (hazard, _serial(devices[0])) if n)),
-                               schedule=fixed(options.schedule))
-            if pieces and devices[0].type != "cuda":  # not timed (a CPU runs them in order): as the user asked
-                decision = replace(decision, config=replace(decision.config, concurrent=True))
+            choice = _timed(_space(parts, profiles, model, devices[0], choices, training, concurrency, hazard,
+                                   levers, _kept_whole(options, coupled, batch.shape[0])),
+                            owned if owned is not None else measure, budget, options, devices[0], warm, owned,
+                            fixed(options.schedule))
+            extra = tuple(n for n in (hazard, _serial(devices[0])) if n)
         else:
-            decision = _predicted(profiles, options, devices, comm, training, choices, batch.shape[0], spec)
-            if pieces:
-                decision = replace(decision, config=replace(decision.config, concurrent=True))
-        if not by_trials and True in levers:  # untimed: the swapped layers run the kernels, as wrap asked
-            decision = replace(decision, config=replace(decision.config, kernels=True))
+            choice = _predicted(profiles, options, devices, comm, training, choices, batch.shape[0], spec)
     unprofiled = [] if measured or not options.profile else [
         f"profile: the cut is given (stages={options.stages!r}), so no block was profiled: the plan's predicted "
         f"times are the cost model's, its measured ones come from the first steps"]
-    return list(profiles), replace(decision, notes=(*small, *unprofiled, *decision.notes), planning_s=budget.spent(),
-                                   source="profile" if measured else "cost model")
+    # What no trial timed runs as the user asked: the concurrency pieces (a CPU runs them in order; thread teams
+    # run none), the swapped layers on their tuned kernels.
+    untimed_pieces = pieces and not threaded and not (by_trials and devices[0].type == "cuda")
+    config = replace(choice.config, concurrent=choice.config.concurrent or untimed_pieces,
+                     kernels=choice.config.kernels or (not by_trials and True in levers))
+    return list(profiles), Decision(config, (*small, *unprofiled, *choice.notes, *extra), choice.trials,
+                                    bar=choice.bar, bar_ms=choice.bar_ms, hint=choice.hint, schedule=choice.schedule,
+                                    planning_s=budget.spent(), source="profile" if measured else "cost model")
 
 
 def _needed(trials: Trials | None) -> Trials:
@@ -217,7 +216,7 @@ def _needed(trials: Trials | None) -> Trials:
 
 
 def _timed(space: Space, clock: Measure, budget: Budget, options: PipelineOptions, device: torch.device,
-           warm: dict[Config, Sequence[object]] | None, owned: Clock | None) -> Decision:
+           warm: dict[Config, Sequence[object]] | None, owned: Clock | None, schedule: str) -> Choice:
     """The search on ``clock``, with a progress bar; the stages the trials of ``owned`` (the clock this call
     made, not an injected one) made go to ``warm``, and it is closed."""
     bar = tqdm(desc=f"pipedp: timing plans (budget {options.plan_budget_s:g} s)", unit="trial", delay=1.0,
@@ -228,7 +227,7 @@ def _timed(space: Space, clock: Measure, budget: Budget, options: PipelineOption
         bar.update(1)
 
     try:
-        return search(space, clock, budget, where=str(device), report=report)
+        return replace(search(space, clock, budget, where=str(device), report=report), schedule=schedule)
     finally:
         bar.close()
         if owned is not None:
@@ -254,7 +253,7 @@ def _serial(device: torch.device) -> str | None:
 
 def _predicted(profiles: Sequence[BlockProfile], options: PipelineOptions, devices: Sequence[torch.device],
                comm: World, training: TrainingOptions, choices: Sequence[int], batch: int,
-               spec: Resolved) -> Decision:
+               spec: Resolved) -> Choice:
     """The plan from the profiles alone (a given cut, several devices, pipeline ranks)."""
     if options.schedule == AUTO:
         schedule, counts, notes = choose_schedule(profiles, options.stages, devices, max(choices), comm.pp)
@@ -268,4 +267,4 @@ def _predicted(profiles: Sequence[BlockProfile], options: PipelineOptions, devic
     if training.compile == "auto":
         notes.append("compile=auto: off (only stages='auto' on one device times compiled plans)")
     config = Config(tuple(counts), m, training.channels_last is True, training.compile is True)
-    return Decision(config, tuple(notes), schedule=schedule)
+    return Choice(config, tuple(notes), schedule=schedule)

@@ -19,16 +19,15 @@ from ..partition.profile import BlockProfile
 from ..partition.threads import CpuPlan, at_threads, plan_cpu
 from ..pipeline import microbatch
 from .config import Config
-from .decision import Decision
-from .schedules import fixed
+from .decision import Choice
 
 __all__ = ["decide_cpu"]
 
 
 def decide_cpu(parts: Parts, blocks: list[Block], profiles: Sequence[BlockProfile], sample: torch.Tensor,
                batch: torch.Tensor, options: PipelineOptions, measure: Callable[[CpuPlan], float],
-               choices: Sequence[int], channels_last: bool, *, compiled: bool = False,
-               ) -> tuple[list[BlockProfile], Decision]:
+               choices: Sequence[int], channels_last: bool, *, compiled: bool = False, schedule: str = "1f1b",
+               ) -> tuple[list[BlockProfile], Choice]:
     """The plan of concurrent CPU stages; the profiles returned are the blocks' times at their planned threads.
 
     ``measure``: ms of a candidate's step, run as the build would run it
@@ -41,9 +40,9 @@ def decide_cpu(parts: Parts, blocks: list[Block], profiles: Sequence[BlockProfil
 
     choice, curves = plan_cpu(
         blocks, sample, threads=options.threads, stages=options.stages, microbatches=choices,
-        sizes=relative, schedule=fixed(options.schedule),
+        sizes=relative, schedule=schedule,
         measure=measure if options.profile else None, copy_input=parts.copy_input, host_profiles=profiles,
         profiled=options.profile)
     plan, scale = choice.plan, relative(choice.plan.microbatches)
     config = Config(plan.counts, plan.microbatches, channels_last, compiled, threads=plan.threads)
-    return at_threads(profiles, curves, plan, scale), Decision(config, choice.notes)
+    return at_threads(profiles, curves, plan, scale), Choice(config, choice.notes, schedule=schedule)

@@ -16,12 +16,12 @@ from .config import Config
 if TYPE_CHECKING:
     from .levers import Levers
 
-__all__ = ["Decision"]
+__all__ = ["Choice", "Decision"]
 
 
 @dataclass(frozen=True)
-class Decision:
-    """The chosen configuration, the trials behind it and the bar it had to beat.
+class Choice:
+    """What one way of deciding chose (timed trials, CPU thread teams, predictions, a layout given), and why.
 
     ``trials``: (label, ms per forward+backward step) of every configuration
     timed, the user's own steps (the bar's alternatives) included; ``bar`` and
@@ -34,11 +34,26 @@ class Decision:
     trials: tuple[tuple[str, float], ...] = ()
     bar: str = ""
     bar_ms: float | None = None
-    planning_s: float = 0.0
     hint: str = ""
-    source: str = "profile"  # where the block times came from: "profile" (measured) or "cost model"
     schedule: str = "1f1b"  # the schedule the plan runs: the user's, or the one schedule="auto" chose
-    # Filled by :func:`pipedp.decide.levers.settle` on every rank, before anything is built:
+
+    @property
+    def chosen(self) -> str:
+        """The chosen configuration's trial label ("" without trials)."""
+        return self.config.label if self.trials else ""
+
+
+@dataclass(frozen=True)
+class Decision(Choice):
+    """The choice as :func:`~pipedp.decide.choose.decide` made it whole, made once: what every rank runs.
+
+    Adds what planning measured (``planning_s``, ``source``) and, from
+    :func:`~pipedp.decide.levers.settle` on every rank before anything is
+    built, the levers, each stage's place and the world layout.
+    """
+
+    planning_s: float = 0.0
+    source: str = "profile"  # where the block times came from: "profile" (measured) or "cost model"
     levers: Levers | None = None  # precision, BatchNorm mode, CUDA graph, recompute, concurrency pieces, ...
     places: tuple[tuple[int, torch.device], ...] = ()  # (pipeline rank, device) of each stage
     pp: int = 1  # pipeline ranks
@@ -78,8 +93,3 @@ class Decision:
     @property
     def threads(self) -> tuple[int, ...] | None:
         return self.config.threads
-
-    @property
-    def chosen(self) -> str:
-        """The chosen configuration's trial label ("" without trials)."""
-        return self.config.label if self.trials else ""

@@ -66,13 +66,15 @@ def resolve_levers(training: TrainingOptions, pipeline: PipelineOptions, concurr
 
 def settle(decision: Decision, pipeline: PipelineOptions, training: TrainingOptions,
            concurrency: ConcurrencyOptions | None, devices: Sequence[torch.device], pp: int, dp: int = 1, *,
-           trial: bool = False) -> Decision:
+           trial: bool = False, notes: Sequence[str] = ()) -> Decision:
     """``decision`` made whole: its levers, the world layout and each stage's place, from this rank's options.
 
     Every rank settles the deciding rank's decision with its own options,
     which the communicator checked are the same everywhere (but for
     ``grad_hook``, each rank's own). ``trial``: a configuration the planner
     times, whose cut may have fewer stages than ``recompute`` names.
+    ``notes``: what the build found before planning (the model's cut), put
+    first.
     """
     n = len(decision.counts)
     recompute = training.recompute
@@ -84,7 +86,7 @@ def settle(decision: Decision, pipeline: PipelineOptions, training: TrainingOpti
         )
     levers = resolve_levers(training, pipeline, concurrency, n, decision.concurrent)
     places = tuple(stage_places(n, devices, pp, decision.schedule))
-    notes = list(decision.notes)
+    notes = [*notes, *decision.notes]
     if len(devices) > 1 and not trial:
         notes.append(f"blocks were profiled on {devices[0]}; the other devices are assumed alike")
         used = len({d for _, d in places})

@@ -8,13 +8,22 @@ build makes: decide/ never imports the lowering or the runtime.
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Protocol, Sequence
+from typing import Mapping, Protocol, Sequence
 
 from ..partition.threads import CpuPlan
 from .config import Config
 from .search import Measure
 
-__all__ = ["Clock", "Trials", "World"]
+__all__ = ["Clock", "KernelSwitch", "Trials", "World"]
+
+
+class KernelSwitch(Protocol):
+    """The depthwise layers' switch between tuned kernels and torch's: whether they run the kernels now."""
+
+    @property
+    def on(self) -> bool: ...
+
+    def use(self, on: bool) -> None: ...
 
 
 class Clock(Measure, Protocol):
@@ -25,7 +34,9 @@ class Clock(Measure, Protocol):
         """Each timed plan's stages (compiled ones are handed to the build, which reuses them)."""
         ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Drop what the trials built and put the kernels back as the clock found them."""
+        ...
 
 
 class World(Protocol):
@@ -41,7 +52,7 @@ class World(Protocol):
 class Trials(Protocol):
     """The clocks of one planning call, bound to its model, batch, devices and options."""
 
-    def clock(self, kernels: Callable[[bool], None] | None) -> Clock:
+    def clock(self, kernels: KernelSwitch | None) -> Clock:
         """The timed trials' clock; ``kernels`` switches the depthwise layers (None: none swapped)."""
         ...
 

@@ -69,9 +69,9 @@ def from_record(record: Mapping[str, Any]) -> tuple[list[BlockProfile], Decision
         profiles = [BlockProfile(str(n), float(f), float(b), int(o), int(s), int(p))
                     for n, f, b, o, s, p in record["profiles"]]
         decision = Decision(config, tuple(record["notes"]), tuple((str(lb), float(ms)) for lb, ms in record["trials"]),
-                            str(record["bar"]), None if record["bar_ms"] is None else float(record["bar_ms"]),
-                            float(record["planning_s"]), str(record["hint"]), str(record["source"]),
-                            check_schedule(str(record.get("schedule", "1f1b"))))
+                            bar=str(record["bar"]), bar_ms=None if record["bar_ms"] is None else float(record["bar_ms"]),
+                            planning_s=float(record["planning_s"]), hint=str(record["hint"]),
+                            source=str(record["source"]), schedule=check_schedule(str(record.get("schedule", "1f1b"))))
     except (KeyError, TypeError, ValueError) as e:
         raise RecordError(f"the saved decision is incomplete or damaged ({type(e).__name__}: {e}): plan anew "
                           f"(leave decision= unset)") from e

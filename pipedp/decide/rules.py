@@ -22,10 +22,14 @@ __all__ = ["check_rules", "shared_settings"]
 def check_rules(pipeline: PipelineOptions, training: TrainingOptions, concurrency: ConcurrencyOptions,
                 devices: Sequence[torch.device]) -> None:
     """Refuse combinations that would not be exact or would not run: a clear error naming the fix."""
-    if training.compile is True and (concurrency.branches or concurrency.split_grads):
+    if training.compile is True and concurrency.branches:
         raise ValueError(
-            "branches=True / split_grads=True with compile=True: the swapped layers order streams by events, "
+            "branches=True with compile=True: the swapped blocks order streams by events, "
             "which torch.compile does not trace. Use compile=False with them, or turn them off")
+    if training.compile is True and concurrency.split_grads:
+        raise ValueError(
+            "split_grads=True with compile=True: a compiled stage's backward computes its weight gradients "
+            "inside the compiled graph, so none is left for the side lane. Use compile=False with it, or turn it off")
     if concurrency.early_update:
         check_early_update(clip=training.clip_grad_norm, precision=training.precision,
                            hook=training.grad_hook is not None)

@@ -32,6 +32,10 @@ steps are sized from the first step's time so that the trials fit, finalists
 are timed only while time is left, and a compile (seconds to minutes) only
 when its estimate fits what is left, unless the user asked for one. The
 decision takes its clocks as arguments, so it is tested without a device.
+
+What was timed is kept in :mod:`~pipedp.decide.timings`; the choice among
+the timings is made in :mod:`~pipedp.decide.verdict`, and the hints (timed,
+never applied) in :mod:`~pipedp.decide.hints`.
 """
 
 from __future__ import annotations
@@ -42,20 +46,20 @@ from typing import Callable, Protocol
 
 from ..ops.worker import breaks_process
 from .config import Config
-from .decision import Decision
+from .decision import Choice
+from .hints import accumulation_hint, precision_hint
+from .timings import Timings, bar_of, steps_for
+from .verdict import verdict
 
-__all__ = ["Space", "Measure", "Budget", "search", "allowed", "MIN_TRIAL_GAIN", "HINT_FACTOR", "MIN_STEPS", "MAX_STEPS"]
+__all__ = ["Space", "Measure", "Budget", "search", "allowed", "MIN_TRIAL_GAIN"]
 
 MIN_TRIAL_GAIN = 0.02  # a plan must beat the bar by this share (more than trial noise)
-HINT_FACTOR = 1.10  # another precision is hinted at only when it ran at least this much faster
 COMPILE_FINALISTS = 2  # the fastest plans also timed compiled (or with the concurrency pieces)
 KERNEL_FINALISTS = 2  # the fastest eager plans also timed on tuned depthwise kernels
-MIN_STEPS, MAX_STEPS = 1, 9  # timed steps per trial, after its warm-up call (1 where steps take seconds)
 PRUNE_SLACK = 0.05  # a plan this much slower than the one with fewer microbatches ends that stage count's row
 RETIME_WITHIN = 0.10  # the fastest plan and the bar are timed again side by side only when this close (a bar
 # known only by its first call is timed again, warm, wherever a plan beats it: at once where by more than this)
 RETIME_PLANS = 0.30  # a plan timed once and this close to the fastest plan is timed again (one CPU step spreads ~20%)
-TRIAL_SHARE = 0.8  # of the budget for the planned trials; the rest is slack for finalists and noise
 
 
 class Measure(Protocol):
@@ -134,93 +138,6 @@ class Budget:
         return self.seconds - self.spent()
 
 
-class _Trials:
-    """Every timing of the search (in the order first taken), what each configuration's first call cost, and
-    which are known only by a first call that counted as a step (``cold``: upper bounds)."""
-
-    def __init__(self, measure: Measure, budget: Budget, report: Callable[[Config, float], None] | None = None,
-                 ) -> None:
-        self.measure, self.budget, self.report = measure, budget, report
-        self.ms: dict[Config, list[float]] = {}
-        self.extra_s: dict[Config, float] = {}  # a first call's cost beyond a timed step, per whole step
-        self.cold: set[Config] = set()  # timed only by a first call that counts as a step: an upper bound
-        self.steps = MIN_STEPS
-
-    @property
-    def order(self) -> list[Config]:
-        return list(self.ms)
-
-    def time(self, c: Config, steps: int | None = None) -> float:
-        """ms per step of ``c`` (made ready first if new); a trial that raises leaves no timing behind."""
-        fresh = c not in self.ms
-        try:
-            return self._time(c, steps)
-        except BaseException:
-            if fresh:
-                self.ms.pop(c, None)
-                self.extra_s.pop(c, None)
-                self.cold.discard(c)
-            raise
-
-    def _time(self, c: Config, steps: int | None) -> float:
-        n = steps or self.steps
-        if c not in self.ms:
-            t0 = self.budget.now()
-            sample = self.measure.warm(c)
-            first_s = (self.budget.now() - t0) / self.measure.share(c)
-            self.ms[c] = [] if sample is None else [float(sample)]
-            self.extra_s[c] = max(first_s - (float(sample) / 1e3 if sample is not None else 0.0), 0.0)
-            if sample is not None:  # the first call was the first timed step
-                self.cold.add(c)
-                n -= 1
-                if n < 1:
-                    return self._heard(c, float(sample))
-        # A configuration far slower than expected gets fewer steps (at least one), not the rest of the budget.
-        step_s = (min(self.ms[c]) / 1e3 if self.ms[c] else self.extra_s[c]) * self.measure.share(c)
-        n = max(1, min(n, int(0.5 * max(self.budget.left(), 0.0) / max(step_s, 1e-9))))
-        ms = float(self.measure.measure(c, n))
-        self.ms[c].append(ms)
-        self.cold.discard(c)
-        return self._heard(c, ms)
-
-    def _heard(self, c: Config, ms: float) -> float:
-        if self.report is not None:
-            self.report(c, ms)
-        return ms
-
-    def best(self, c: Config) -> float:
-        return min(self.ms[c])
-
-    def first_s(self, compiled: bool, default: float = 0.0) -> float:
-        """The most a first call beyond a step has cost (per whole step), among compiled or eager runs."""
-        return max((s for k, s in self.extra_s.items() if k.compiled == compiled), default=default)
-
-    def cost_s(self, c: Config, ms: float | None = None) -> float:
-        """Expected seconds of a first trial of ``c``: its warm-up and timed steps, at ``ms`` per step where a
-        like configuration was timed, else at the fastest rate timed.
-
-        The warm-up is charged what eager first calls cost beyond a timed step (a compile is charged apart):
-        next to nothing where a first call counts as a step.
-        """
-        step_s = self._step_s() if ms is None else ms / 1e3
-        return (self.first_s(False) + self.steps * step_s) * self.measure.share(c)
-
-    def reserve_s(self) -> float:
-        """What the final side-by-side timing of the bar (and a sampled best plan) will take."""
-        return 1.5 * self.steps * self._step_s()
-
-    def _step_s(self) -> float:
-        return min(min(v) for v in self.ms.values() if v) / 1e3 if any(self.ms.values()) else 0.0
-
-
-def _steps_for(step_ms: float, warm_s: float, planned: int, budget: Budget) -> int:
-    """Timed steps per trial so that ``planned`` trials fit the budget (at least MIN_STEPS)."""
-    if step_ms <= 0:
-        return MAX_STEPS
-    per_trial = TRIAL_SHARE * budget.left() / max(planned, 1) - warm_s - step_ms / 1e3
-    return max(MIN_STEPS, min(MAX_STEPS, int(per_trial / (step_ms / 1e3))))
-
-
 def _plans(space: Space, channels_last: bool, compiled: bool) -> list[Config]:
     """pipedp's plans in one layout: S stages x M microbatches (S <= M), ordered by M then S.
 
@@ -237,14 +154,14 @@ def _plans(space: Space, channels_last: bool, compiled: bool) -> list[Config]:
 
 
 def search(space: Space, measure: Measure, budget: Budget, *, margin: float = MIN_TRIAL_GAIN,
-           where: str = "the device", report: Callable[[Config, float], None] | None = None) -> Decision:
+           where: str = "the device", report: Callable[[Config, float], None] | None = None) -> Choice:
     """Time the alternatives and plans of ``space`` within ``budget`` and choose one (see the module doc).
 
     ``report(config, ms)`` hears of every timing as it is taken (progress).
     """
     if not space.microbatches:
         raise ValueError("stages=auto has no microbatch count to try")
-    trials, notes = _Trials(measure, budget, report), []
+    trials, notes = Timings(measure, budget, report), []
     cheap = _cheap_plans(space, measure)
     if cheap:
         bar, ranked = _time_cheap_first(space, trials, budget, notes)
@@ -259,7 +176,7 @@ def search(space: Space, measure: Measure, budget: Budget, *, margin: float = MI
     ranked = _time_kernels(space, trials, budget, ranked, margin, notes)
     late = _warm_bar(space, trials, budget, ranked, margin, owed=not early)
     warmed = late if len(trials.order) > before else early | late  # timed just before the final re-timing
-    bar = _bar(trials)
+    bar = bar_of(trials)
     # Once more side by side, so that drift during the trials favours neither: the bar where it was timed
     # before the fastest plan (where no plan was timed its figure is a minimum, so timing it again alone
     # could change no choice, and costs a whole step), and both where the plan could still win: the faster
@@ -273,20 +190,15 @@ def search(space: Space, measure: Measure, budget: Budget, *, margin: float = MI
     if close:
         trials.time(ranked[0])
         ranked = sorted(ranked, key=trials.best)
-    chosen, bar = _choose(space, trials, ranked, margin, f"timed trials on {where}", notes)
-    hint = _hint(space, trials, budget, replace(bar, compiled=space.compile == (True,)))
-    more = _accumulation_hint(space, trials, budget, chosen)
+    chosen, bar = verdict(space, trials, ranked, margin, f"timed trials on {where}", notes)
+    hint = precision_hint(space, trials, budget, replace(bar, compiled=space.compile == (True,)))
+    more = accumulation_hint(space, trials, budget, chosen)
     hint = "\n".join(h for h in (hint, more) if h)
-    return Decision(chosen, tuple(notes), tuple((c.label, trials.best(c)) for c in trials.order),
-                    bar=bar.label, bar_ms=trials.best(bar), hint=hint)
+    return Choice(chosen, tuple(notes), tuple((c.label, trials.best(c)) for c in trials.order),
+                  bar=bar.label, bar_ms=trials.best(bar), hint=hint)
 
 
-def _bar(trials: _Trials) -> Config:
-    """The bar as the choice takes it: the fastest own step (eager or compiled) in the user's precision."""
-    return min((c for c in trials.ms if c.own and c.precision is None), key=trials.best)
-
-
-def _warm_bar(space: Space, trials: _Trials, budget: Budget, ranked: list[Config], margin: float,
+def _warm_bar(space: Space, trials: Timings, budget: Budget, ranked: list[Config], margin: float,
               owed: bool = True) -> set[Config]:
     """Own steps known only by a first call, timed again warm while the fastest plan would win against them.
 
@@ -302,7 +214,7 @@ def _warm_bar(space: Space, trials: _Trials, budget: Budget, ranked: list[Config
     timed: set[Config] = set()
     if not ranked or 1 not in space.microbatches:
         return timed
-    while trials.best(ranked[0]) <= trials.best(_bar(trials)) * (1 - margin):
+    while trials.best(ranked[0]) <= trials.best(bar_of(trials)) * (1 - margin):
         cold = sorted((c for c in trials.cold if c.own and c.precision is None), key=trials.best)
         if not cold or ((timed or not owed) and budget.left() < trials.steps * trials.best(cold[0]) / 1e3):
             break
@@ -311,13 +223,13 @@ def _warm_bar(space: Space, trials: _Trials, budget: Budget, ranked: list[Config
     return timed
 
 
-def _time_own(space: Space, trials: _Trials, budget: Budget) -> Config:
+def _time_own(space: Space, trials: Timings, budget: Budget) -> Config:
     """The user's own step in each layout (compiled if asked); the fastest. Sizes the trials from the first."""
     forced = space.compile == (True,)
     own = [Config((space.blocks,), 1, cl, forced, own=True) for cl in space.layouts]
     trials.time(own[0], 1)
     planned = len(own) + len(_plans(space, own[0].channels_last, forced)) + 2 + (space.hint is not None)
-    trials.steps = _steps_for(trials.best(own[0]), trials.extra_s[own[0]], planned, budget)
+    trials.steps = steps_for(trials.best(own[0]), trials.extra_s[own[0]], planned, budget)
     for c in own[1:]:
         trials.time(c)
     return min(own, key=trials.best)
@@ -330,7 +242,7 @@ def _cheap_plans(space: Space, measure: Measure) -> bool:
             and measure.share(space.plan(1, most, space.layouts[0], space.compile == (True,))) < 1)
 
 
-def _time_cheap_first(space: Space, trials: _Trials, budget: Budget, notes: list[str],
+def _time_cheap_first(space: Space, trials: Timings, budget: Budget, notes: list[str],
                       ) -> tuple[Config, list[Config]]:
     """Each layout at the most microbatches, the own step in the faster, then fewer microbatches: the bar and plans.
 
@@ -351,7 +263,7 @@ def _time_cheap_first(space: Space, trials: _Trials, budget: Budget, notes: list
     probes = [space.plan(1, counts[0], cl, forced) for cl in space.layouts]
     trials.time(probes[0], 1)
     planned = len(space.layouts) * (len(counts) + 1) + (space.hint is not None)
-    trials.steps = _steps_for(trials.best(probes[0]), trials.extra_s[probes[0]], planned, budget)
+    trials.steps = steps_for(trials.best(probes[0]), trials.extra_s[probes[0]], planned, budget)
     for c in probes[1:]:
         trials.time(c)
     probes = sorted(probes, key=trials.best)
@@ -412,7 +324,7 @@ def _time_cheap_first(space: Space, trials: _Trials, budget: Budget, notes: list
     return min((c for c in own if c in trials.ms), key=trials.best), ranked
 
 
-def _retime_close(trials: _Trials, budget: Budget, ranked: list[Config], keep_s: Callable[[], float],
+def _retime_close(trials: Timings, budget: Budget, ranked: list[Config], keep_s: Callable[[], float],
                   layout: bool | None = None) -> list[Config]:
     """Runners-up timed once and close to the fastest plan get a second timing while the budget lasts.
 
@@ -430,7 +342,7 @@ def _retime_close(trials: _Trials, budget: Budget, ranked: list[Config], keep_s:
     return sorted(ranked, key=trials.best)
 
 
-def _time_plans(space: Space, trials: _Trials, budget: Budget, bar: Config, notes: list[str]) -> list[Config]:
+def _time_plans(space: Space, trials: Timings, budget: Budget, bar: Config, notes: list[str]) -> list[Config]:
     """pipedp's plans in the bar's layout while the budget lasts, fastest first."""
     plans = _plans(space, bar.channels_last, bar.compiled)
     last: dict[int, float] = {1: trials.best(bar)}  # per stage count, its latest time (M ascending)
@@ -450,7 +362,7 @@ def _time_plans(space: Space, trials: _Trials, budget: Budget, bar: Config, note
     return _retime_close(trials, budget, ranked, trials.reserve_s)
 
 
-def _time_finalists(space: Space, trials: _Trials, budget: Budget, bar: Config, ranked: list[Config],
+def _time_finalists(space: Space, trials: Timings, budget: Budget, bar: Config, ranked: list[Config],
                     notes: list[str]) -> tuple[Config, list[Config]]:
     """Compiled (``compile="auto"``: the bar's step and the fastest plans) and concurrent finalists."""
     if space.compile == (False, True):
@@ -477,7 +389,7 @@ def _time_finalists(space: Space, trials: _Trials, budget: Budget, bar: Config, 
     return bar, sorted((c for c in trials.ms if not c.own), key=trials.best)
 
 
-def _time_kernels(space: Space, trials: _Trials, budget: Budget, ranked: list[Config], margin: float,
+def _time_kernels(space: Space, trials: Timings, budget: Budget, ranked: list[Config], margin: float,
                   notes: list[str]) -> list[Config]:
     """The tuned depthwise kernels as a finalist's lever; the plans, fastest first.
 
@@ -494,7 +406,7 @@ def _time_kernels(space: Space, trials: _Trials, budget: Budget, ranked: list[Co
     """
     if space.kernels == (False,):
         return ranked
-    bar, mode = _bar(trials), "tvm" if space.walk_kernels else "auto"
+    bar, mode = bar_of(trials), "tvm" if space.walk_kernels else "auto"
     base = [] if space.walk_kernels else [c for c in ranked if not c.compiled][:KERNEL_FINALISTS]
     beaten = bool(ranked) and trials.best(ranked[0]) <= trials.best(bar) * (1 - margin)
     if 1 in space.microbatches and not bar.compiled and (space.walk_kernels or not beaten):
@@ -517,106 +429,6 @@ def _time_kernels(space: Space, trials: _Trials, budget: Budget, ranked: list[Co
         notes.append(f"kernels={mode}: {b.label} ran {trials.best(c):.2f} ms per step on the tuned depthwise "
                      f"kernels, {torch_ms:.2f} ms on torch's")
     return sorted((c for c in trials.ms if not c.own), key=trials.best)
-
-
-def _choose(space: Space, trials: _Trials, ranked: list[Config], margin: float, on: str,
-            notes: list[str]) -> tuple[Config, Config]:
-    """The chosen configuration and the bar: a plan only if it beats the bar by ``margin``."""
-    bar = _bar(trials)
-    bar_ms = trials.best(bar)
-    best = ranked[0] if ranked else None
-    if best is not None and trials.best(best) <= bar_ms * (1 - margin):
-        best = _nearest(trials, [c for c in ranked if trials.best(c) <= bar_ms * (1 - margin)], margin)
-        notes.append(f"stages=auto chose {best.label} by {on}: {trials.best(best):.2f} ms per step, "
-                     f"{bar_ms / trials.best(best):.2f}x the strongest alternative, {bar.label} ({bar_ms:.2f} ms)")
-        return best, bar
-    if space.walk_kernels and best is not None and (bar.run_by_pipedp(kernels=True) in trials.ms
-                                                    or 1 not in space.microbatches):
-        notes.append(f"stages=auto: no plan beat the strongest alternative, {bar.label} ({bar_ms:.2f} ms), by "
-                     f"{margin:.0%} in {on}; kernels='tvm' runs every plan on the tuned kernels: kept the fastest "
-                     f"of them, {best.label} ({trials.best(best):.2f} ms)")
-        return best, bar
-    if 1 in space.microbatches or best is None:
-        # The bar itself always competes (its first call, if cold, is an upper bound and still the fastest).
-        own = _nearest(trials, [c for c in trials.ms if c.own and c.precision is None
-                                and (c not in trials.cold or c == bar)], margin)
-        if own == bar:
-            notes.append(f"stages=auto: no plan beat the strongest alternative, {bar.label} ({bar_ms:.2f} ms), "
-                         f"by {margin:.0%} in {on}: the plan is that step itself")
-        else:
-            notes.append(f"stages=auto: no plan beat the strongest alternative, {bar.label} ({bar_ms:.2f} ms), "
-                         f"by {margin:.0%} in {on}: the plan is your step as {own.label} ({trials.best(own):.2f} ms), "
-                         f"within {margin:.0%} of it and nearer your own (a tie within the noise goes the same way "
-                         f"every run)")
-        return own.run_by_pipedp(kernels=space.walk_kernels), bar
-    notes.append(f"stages=auto: no plan beat the strongest alternative, {bar.label} ({bar_ms:.2f} ms), by "
-                 f"{margin:.0%} in {on}; kept the fastest with the given microbatches, {best.label} "
-                 f"({trials.best(best):.2f} ms, {bar_ms / trials.best(best):.2f}x the bar: the measured cost of "
-                 f"that count): microbatches=None (your step's math) or 'auto' lets the plan be the plain step")
-    return best, bar
-
-
-def _distance(c: Config) -> int:
-    """How many levers ``c`` pulls that the user's own step does not: stages, microbatches, layout, compile,
-    concurrency, thread teams, tuned kernels."""
-    return sum((len(c.counts) > 1, c.microbatches > 1, c.channels_last, c.compiled, c.concurrent,
-                c.threads is not None, c.kernels))
-
-
-def _nearest(trials: _Trials, candidates: list[Config], margin: float) -> Config:
-    """Of ``candidates``, the nearest the user's step among those within ``margin`` of the fastest.
-
-    A tie within the trial noise then goes the same way on every run of one
-    command (the fewest levers pulled, then the fewest stages and
-    microbatches, then the faster), where the fastest alone would flip with
-    the noise.
-    """
-    fastest = min(trials.best(c) for c in candidates)
-    close = [c for c in candidates if trials.best(c) <= fastest * (1 + margin)]
-    return min(close, key=lambda c: (_distance(c), len(c.counts), c.microbatches, trials.best(c)))
-
-
-def _hint(space: Space, trials: _Trials, budget: Budget, eager: Config) -> str:
-    """One line when ``space.hint``'s precision ran the plain step measurably faster (timed, never applied)."""
-    if space.hint is None or eager not in trials.ms:
-        return ""
-    other = replace(eager, precision=space.hint)
-    if budget.left() < trials.cost_s(other):
-        return ""
-    try:
-        trials.time(other, 1)  # a rough factor is enough for a hint
-        if other in trials.cold and eager not in trials.cold and budget.left() >= trials.best(other) / 1e3:
-            trials.time(other, 1)  # a warm plain step against a warm one (a first call is an upper bound)
-    except Exception:  # noqa: BLE001 - a model that cannot run in that precision gets no hint, not an error
-        return ""
-    # First call against first call where the plain step has no other timing; warm against warm, or, where
-    # the budget refused the second timing, warm against a first call: understated, never overstated.
-    factor = trials.best(eager) / trials.best(other)
-    if factor < HINT_FACTOR:
-        return ""
-    return (f"hint: {space.hint} autocast ran the plain step {factor:.2f}x faster here; pass "
-            f"precision='{space.hint}' if the model trains well in it (the plan keeps your precision)")
-
-
-def _accumulation_hint(space: Space, trials: _Trials, budget: Budget, chosen: Config) -> str:
-    """One line when accumulating over ``space.accumulate`` microbatches ran measurably faster than the plan
-    that keeps the user's math (timed once, never applied: it would change what BatchNorm normalises over)."""
-    if space.accumulate is None:
-        return ""
-    ms = trials.best(chosen) if chosen in trials.ms else trials.best(_bar(trials))
-    other = space.plan(1, space.accumulate, chosen.channels_last, False)
-    if other in trials.ms or budget.left() < trials.cost_s(other):
-        return ""
-    try:
-        trials.time(other, 1)
-    except Exception:  # noqa: BLE001 - a configuration that cannot run gives no hint, not an error
-        return ""
-    factor = ms / trials.best(other)
-    if factor < HINT_FACTOR:
-        return ""
-    return (f"hint: accumulation over {space.accumulate} microbatches ran the step {factor:.2f}x faster here "
-            f"(BatchNorm then normalises per microbatch, not over the batch); pass microbatches='auto' to let the "
-            f"plan choose it")
 
 
 def allowed(value: bool | str) -> tuple[bool, ...]:

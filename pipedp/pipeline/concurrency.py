@@ -1,10 +1,13 @@
-"""The concurrent pieces of a built pipeline installed together, and the rules they must keep.
+"""The concurrent pieces of a built pipeline installed together, and the lanes their readers wait for.
 
-:func:`install` puts the chosen pieces on the executor's stages (shortcut
-branches, split weight gradients); :class:`Concurrency` tells the readers of
-gradients which side lanes to wait for (the executor's end-of-step join, the
-gradient sync, an early update) and undoes the swaps. The early update
-itself needs the optimizer and is made by the engine
+:func:`install` puts the chosen pieces on the executor's stages: shortcut
+branches (a block's forward on two lanes). Split weight gradients need no
+installing: the lowering gives each backward as I then W and the executor
+runs W on the stage's side lane (``Executor(side_weights=True)``).
+:func:`connect` tells the gradient sync which lanes a stage's gradients are
+accumulated on; the executor's end-of-step join and an early update read
+them from :meth:`Executor.lanes_of`. The early update itself needs the
+optimizer and is made by the engine
 (:class:`~pipedp.pipeline.early_update.EarlyUpdate`).
 """
 
@@ -13,17 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-import torch
-
 from .branches import Branches, concurrent_branches
 from .executor import Executor
-from .split_grad import SplitGrads, split_grads
-from .stream import Lane
 
 if TYPE_CHECKING:
     from .gradsync import GradSync
 
-__all__ = ["Concurrency", "Pieces", "install"]
+__all__ = ["Concurrency", "Pieces", "install", "connect"]
 
 
 class Pieces(Protocol):
@@ -41,11 +40,11 @@ class Pieces(Protocol):
 
 @dataclass
 class Concurrency:
-    """What :func:`install` swapped in (None: that piece is off)."""
+    """What :func:`install` swapped in (None: that piece is off), and the pieces the plan runs besides."""
 
     branches: Branches | None = None
-    split: SplitGrads | None = None
-    early_update: bool = False  # made by the engine (it needs the optimizer); noted here with the others
+    split_grads: bool = False  # lowered as actions (W on a side lane), noted here with the others
+    early_update: bool = False  # made by the engine (it needs the optimizer)
 
     def notes(self) -> list[str]:
         out = []
@@ -53,49 +52,34 @@ class Concurrency:
             out.append("each stage's optimizer update starts after its last backward (early_update=True)")
         if self.branches is not None:
             out.append(self.branches.note())
-        if self.split is not None:
-            out.append(f"{self.split.count} convolution(s) compute their weight gradient on a side stream "
-                       f"(split_grads=True)")
+        if self.split_grads:
+            out.append("each backward runs as I then W, W (the convolutions' and linear layers' weight gradients) "
+                       "on the stage's side stream beside its next action (split_grads=True)")
         return out
-
-    def lanes(self, stage: int) -> list[Lane]:
-        """The side lanes stage ``stage`` (global index) issues work on."""
-        out = []
-        if self.split is not None:
-            out += self.split.lanes(stage)
-        if self.branches is not None and self.branches.lanes is not None:
-            out.append(self.branches.lanes.by_stage[stage])
-        return out
-
-    def connect(self, executor: Executor, sync: GradSync | None) -> None:
-        """The executor joins the side lanes at the end of a step; the gradient sync hears of split gradients."""
-        executor.side_lanes = list(dict.fromkeys(lane for st in executor.stages for lane in self.lanes(st.index)))
-        if sync is None:
-            return
-        for pos, st in enumerate(executor.stages):
-            # A bucket's gradients may come from the stage's stream or a side lane, in any order on the host.
-            sync.after[pos] = [st.lane, *self.lanes(st.index)]
-        if self.split is not None:
-            self.split.on_accumulate.append(sync.accumulated)
 
     def undo(self) -> None:
-        """Put every swapped layer and block back (safe to call more than once)."""
-        for part in (self.branches, self.split):
-            if part is not None:
-                part.undo()
+        """Put every swapped block back (safe to call more than once)."""
+        if self.branches is not None:
+            self.branches.undo()
 
 
 def install(executor: Executor, pieces: Pieces) -> Concurrency:
-    """Swap in the pieces the plan keeps on ``executor``'s stages (nothing when all are off)."""
-    done = Concurrency(early_update=pieces.early_update)
-    try:
-        if pieces.branches:
-            done.branches = concurrent_branches(executor.stages)
-        if pieces.split_grads:
-            done.split = split_grads(executor.stages)
-    except BaseException:
-        done.undo()
-        raise
+    """Swap in the pieces the plan keeps on ``executor``'s stages; their lanes join the executor's."""
+    done = Concurrency(split_grads=pieces.split_grads, early_update=pieces.early_update)
+    if pieces.branches:
+        done.branches = concurrent_branches(executor.stages)
+        if done.branches.lanes is not None:
+            for st in executor.stages:
+                executor.extra_lanes.setdefault(st.index, []).append(done.branches.lanes.by_stage[st.index])
     return done
 
 
+def connect(executor: Executor, sync: GradSync | None) -> None:
+    """A bucket's gradients may come from the stage's lane or a side lane, in any order on the host: the gradient
+    sync waits for all of them before it launches one."""
+    if sync is None:
+        return
+    for pos, st in enumerate(executor.stages):
+        extra = executor.lanes_of(st.index)
+        if extra:
+            sync.after[pos] = [st.lane, *extra]

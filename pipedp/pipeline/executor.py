@@ -103,7 +103,8 @@ class Executor:
     ``transport`` moves values to and from the other ranks. ``orders``: each
     rank's (stage, action) pairs in the order it runs them, where a rank
     interleaves its stages (:mod:`.orders`); by default the simulator's start
-    order of ``schedule``.
+    order of ``schedule``. ``side_weights``: each stage's W runs on a side
+    lane of its own, beside the stage's next action (``split_grads``).
     """
 
     def __init__(
@@ -117,6 +118,7 @@ class Executor:
         transport: Transport | None = None,
         orders: Sequence[Sequence[tuple[int, Action]]] | None = None,
         commits: Collection[int] = (),
+        side_weights: bool = False,
     ) -> None:
         self.stages = sorted(stages, key=lambda st: st.index)
         self.n = n = len(schedule)
@@ -160,8 +162,11 @@ class Executor:
         self.devices = list(dict.fromkeys(canonical_device(s.device) for s in self.stages))
         # One copy lane per device: cross-device copies run on the source device's copy lane.
         self.copy_lanes = {d: new_lane(d, f"copy:{d}") for d in self.devices if len(self.devices) > 1}
-        # Lanes the stages' layers issue work on besides the stage's own (split weight gradients): joined too.
-        self.side_lanes: list[Lane] = []
+        # Per stage, the lanes it issues work on besides its own (W's side lane; a block's shortcut, installed
+        # later): a step forks and joins them, readers of a stage's gradients wait for them.
+        self.w_lanes = {st.index: new_lane(st.device, f"wgrad{st.index}") for st in self.stages} \
+            if side_weights else {}
+        self.extra_lanes: dict[int, list[Lane]] = {s: [lane] for s, lane in self.w_lanes.items()}
         workers = [st.lane.worker is not None for st in self.stages]
         if any(workers) and (not all(workers) or transport is not None or self.devices[0].type != "cpu"):
             raise ValueError("CPU worker lanes need every stage on the CPU of this process (no pipeline ranks): "
@@ -178,6 +183,21 @@ class Executor:
         return "\n".join(f"rank {r}: {format_program(ops)}" for r, ops in sorted(self.programs.items()))
 
     # -- plumbing ---------------------------------------------------------------------------------
+    @property
+    def side_lanes(self) -> list[Lane]:
+        """Every lane the stages issue work on besides their own."""
+        return list(dict.fromkeys(lane for lanes in self.extra_lanes.values() for lane in lanes))
+
+    def lanes_of(self, stage: int) -> list[Lane]:
+        """The lanes besides its own on which stage ``stage`` (global index) accumulates gradients."""
+        return list(self.extra_lanes.get(stage, ()))
+
+    def lane_of(self, op: Op) -> Lane:
+        """The lane ``op`` runs on: its stage's, or for W the stage's side lane where there is one."""
+        if op.kind == "W" and op.stage in self.w_lanes:
+            return self.w_lanes[op.stage]
+        return self.local[op.stage].lane
+
     def anchor_of(self, device: torch.device) -> torch.Tensor:
         """The leaf the held weight-gradient nodes of ``device`` hang from (:mod:`.weight_grad`)."""
         return self._anchors[canonical_device(device)]

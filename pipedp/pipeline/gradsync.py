@@ -2,7 +2,7 @@
 
 Every stage's parameters are packed into buckets (flat buffers of about
 ``bucket_bytes``, in reverse registration order like DDP, since backward reaches
-the last layers first, and the first layers apart, see :func:`_pack`); each parameter's ``.grad`` is a view into its bucket,
+the last layers first, and the first layers apart, see :func:`~pipedp.pipeline.buckets.pack`); each parameter's ``.grad`` is a view into its bucket,
 so nothing is copied in or out. Gradients accumulate over microbatches; during
 a stage's *last* backward of the step a bucket is all-reduced (asynchronously,
 on that stage's own communication lane) the moment its last parameter has
@@ -11,8 +11,8 @@ waits only on those collectives (:meth:`GradSync.wait`), or, with an early
 optimizer update, each stage's update waits only on that stage's buckets
 (:meth:`GradSync.wait_stage`).
 
-Gradients accumulated off the stage's stream (a convolution's weight gradient
-on a side lane, :mod:`~pipedp.pipeline.split_grad`) reach a bucket through
+Gradients accumulated off the stage's stream (a W action on the stage's side
+lane, :mod:`~pipedp.pipeline.weight_grad`) reach a bucket through
 :meth:`GradSync.accumulated` instead of autograd's hook, and a bucket is
 launched only after the lanes in :attr:`GradSync.after` for its stage (those
 side lanes), since its last gradient may have been added on either.
@@ -59,10 +59,8 @@ it side by side (``experiments/bench_links.py``, ``bench_dp.py``).
 from __future__ import annotations
 
 import datetime
-import hashlib
 import itertools
 import time
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -72,121 +70,14 @@ from torch import nn
 from ..defaults import DEFAULT_BUCKET_BYTES
 from ..device import canonical_device
 from ..distributed import DistributedError
+from .buckets import FIRST_BUCKET_BYTES, Bucket, layout_stamp, pack, same_stamp
 from .stream import Lane, current_lane, new_lane
+from .sync_stats import SyncStats, union_ms
 from .trace import Clock
 
-__all__ = ["GradSync", "SyncStats", "DEFAULT_BUCKET_BYTES"]
+__all__ = ["GradSync", "DEFAULT_BUCKET_BYTES"]
 
-FIRST_BUCKET_BYTES = 1024 * 1024  # DDP's first bucket
 _COUNT = "the all-reduce of the local batch sizes"
-
-
-@dataclass
-class SyncStats:
-    """Timing of one step's gradient sync: how much of it ran behind compute."""
-
-    buckets: int = 0
-    sync_ms: float = 0.0  # time some bucket was in flight
-    hidden_ms: float = 0.0  # part of that before the optimizer had to wait
-    exposed_ms: float = 0.0  # the optimizer's wait
-
-    @property
-    def hidden_fraction(self) -> float:
-        return self.hidden_ms / self.sync_ms if self.sync_ms > 0 else 1.0
-
-
-@dataclass
-class _Bucket:
-    stage: int
-    params: list[nn.Parameter]
-    flat: torch.Tensor
-    views: list[torch.Tensor] = field(default_factory=list)  # each parameter's slot, shaped like it
-    attached: list[bool] = field(default_factory=list)  # whose ``.grad`` is its slot this step
-    scaled: list[bool] = field(default_factory=list)  # whose slot is already divided by the group size
-    pending: int = 0
-    work: Any = None
-    wire: torch.Tensor | None = None  # the reduce_dtype copy in flight
-    issued: float = 0.0
-    done: list[float] = field(default_factory=list)
-    events: tuple[Any, Any] | None = None
-
-
-def _pack(params: Sequence[nn.Parameter], cap: int, first_cap: int | None = None) -> list[list[nn.Parameter]]:
-    """Buckets in launch order: last layers first, one dtype/device each, closed once they hold ``cap`` bytes.
-
-    As in DDP, a bucket closes when it *reaches* its cap (so it may pass it by
-    one tensor), and the first one (the last layers) at ``first_cap``: it
-    closes with the first big tensor it gets, so an all-reduce starts as soon
-    as the last big layer's gradient is ready rather than waiting to fill a
-    bucket with earlier layers. Unlike DDP, the first layers of the forward
-    (``first_cap`` bytes of the last bucket) also get a bucket of their own:
-    their gradients are ready only when backward ends, and whatever waits for
-    them is exposed, so the less the better (on a slow link this decides how
-    much of the sync shows; see the results page's "Across slow links").
-    """
-    out: list[list[nn.Parameter]] = []
-    cur: list[nn.Parameter] = []
-    size = 0
-    for p in reversed(list(params)):
-        if cur and not _same_kind(p, cur[0]):
-            out.append(cur)
-            cur, size = [], 0
-        cur.append(p)
-        size += p.numel() * p.element_size()
-        if size >= (cap if out or first_cap is None else min(cap, first_cap)):
-            out.append(cur)
-            cur, size = [], 0
-    if cur:
-        out.append(cur)
-    if first_cap is not None and len(out) > 1:
-        *_, last = out
-        size, k = 0, len(last)
-        while k > 1 and size < first_cap:  # ``last`` runs backward: its end is the forward's start
-            k -= 1
-            size += last[k].numel() * last[k].element_size()
-        if 0 < k < len(last) and size >= first_cap:
-            out[-1:] = [last[:k], last[k:]]
-    return out
-
-
-def _same_kind(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.dtype, a.device) == (b.dtype, b.device)
-
-
-_STAMP_BITS = 16  # per digest: its square summed over up to 1024 ranks stays exact in float64
-
-
-def _layout_stamp(stage_params: Sequence[Sequence[nn.Parameter]]) -> list[float]:
-    """``[0, d1, d1**2, d2, d2**2]``: two digests of which parameters train, in what dtype and shape.
-
-    Summed over the group (with the batch size in place of the 0), every rank
-    had the same digest ``d`` exactly when ``ranks * sum(d**2) == sum(d)**2``.
-    """
-    layout = [(s, i, p.requires_grad, str(p.dtype), tuple(p.shape)) for s, ps in enumerate(stage_params)
-              for i, p in enumerate(ps)]
-    h = hashlib.sha256(repr(layout).encode()).digest()
-    d1, d2 = (float(int.from_bytes(h[k : k + 2], "little") % (1 << _STAMP_BITS)) for k in (0, 2))
-    return [0.0, d1, d1 * d1, d2, d2 * d2]
-
-
-def _same_stamp(sums: Sequence[float], ranks: int) -> bool:
-    """Whether every rank sent the same layout stamp (``sums``: the group's sum of it, without the count)."""
-    if ranks > 1024:  # beyond float64's exact range: not checked
-        return True
-    return all(ranks * sums[k + 1] == sums[k] * sums[k] for k in range(0, len(sums), 2))
-
-
-def _union_ms(intervals: list[tuple[float, float]], until: float) -> tuple[float, float]:
-    """Length of the union of ``intervals`` and of its part before ``until`` (seconds in, ms out)."""
-    total = before = 0.0
-    end = float("-inf")
-    for a, b in sorted(intervals):
-        a = max(a, end)
-        if b > a:
-            total += b - a
-            before += max(0.0, min(b, until) - a)
-            end = b
-    return total * 1e3, before * 1e3
 
 
 class GradSync:
@@ -211,8 +102,8 @@ class GradSync:
         self.reduce_dtype = reduce_dtype
         self.timeout = timeout
         self.step = 0
-        self.buckets: list[_Bucket] = []
-        self._of: dict[int, tuple[_Bucket, int]] = {}  # a parameter's bucket and its place there
+        self.buckets: list[Bucket] = []
+        self._of: dict[int, tuple[Bucket, int]] = {}  # a parameter's bucket and its place there
         self._armed: set[int] = set()
         self.lanes: list[Lane] = []
         self._hooks: list[Any] = []
@@ -246,11 +137,11 @@ class GradSync:
         for s, params in enumerate(stage_params):
             mine = [p for p in params if p.requires_grad and id(p) not in seen]
             seen.update(id(p) for p in mine)
-            for ps in _pack(mine, self.bucket_bytes, FIRST_BUCKET_BYTES):
+            for ps in pack(mine, self.bucket_bytes, FIRST_BUCKET_BYTES):
                 flat = torch.zeros(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device)
                 offsets = [0, *itertools.accumulate(p.numel() for p in ps)]
                 views = [flat[a:z].view_as(p) for a, z, p in zip(offsets, offsets[1:], ps)]
-                b = _Bucket(s, ps, flat, views, [False] * len(ps), [False] * len(ps))
+                b = Bucket(s, ps, flat, views, [False] * len(ps), [False] * len(ps))
                 self.buckets.append(b)
                 for k, p in enumerate(ps):
                     self._of[id(p)] = (b, k)
@@ -260,7 +151,7 @@ class GradSync:
             elif self.lanes[s].device != canonical_device(dev):  # a stage that had nothing to average before
                 self.lanes[s] = new_lane(dev, f"gradsync{s}")
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulated) for b in self.buckets for p in b.params]
-        stamp = _layout_stamp(stage_params)
+        stamp = layout_stamp(stage_params)
         self._counts, self._stamps = {}, {}
         for dev in dict.fromkeys(b.flat.device for b in self.buckets):
             self._counts[dev] = torch.zeros(len(stamp), dtype=torch.float64, device=dev)
@@ -286,7 +177,7 @@ class GradSync:
             b.attached = [False] * len(b.params)
         self.resume()
 
-    def _attach(self, b: _Bucket, k: int) -> None:
+    def _attach(self, b: Bucket, k: int) -> None:
         """Make parameter ``k`` of ``b``'s ``.grad`` its slot: its gradient so far copied in, else zeros.
 
         During the stage's last backward what ``.grad`` holds is all this step
@@ -356,7 +247,7 @@ class GradSync:
             except RuntimeError as e:
                 raise DistributedError(self._failure("waiting for", e, _COUNT)) from e
             total, *stamp = self._counts[dev].tolist()
-            if not _same_stamp(stamp, self.size):
+            if not same_stamp(stamp, self.size):
                 raise ValueError(self._mismatch())
             factor = self._local * self.size / total
             weight = None if factor == 1.0 else factor
@@ -394,7 +285,7 @@ class GradSync:
         if b.pending == 0:
             self._launch(b)
 
-    def _launch(self, b: _Bucket) -> None:
+    def _launch(self, b: Bucket) -> None:
         for k, attached in enumerate(b.attached):
             if not attached:  # no gradient reached it this step (on the current stream, before the lane waits)
                 self._attach(b, k)
@@ -452,7 +343,7 @@ class GradSync:
                 self._wait_work(b)
             self._waited.add(k)
 
-    def _wait_work(self, b: _Bucket) -> None:
+    def _wait_work(self, b: Bucket) -> None:
         """The host waits for ``b``'s all-reduce (CPU) and the result lands in the bucket."""
         try:
             b.work.wait(self.timeout)
@@ -497,11 +388,11 @@ class GradSync:
                 end.synchronize()
                 base = ref if ref is not None and ref.device == start.device else start
                 spans.append((base.elapsed_time(start) * 1e-3, base.elapsed_time(end) * 1e-3))
-            total, before = _union_ms(spans, 0.0 if ref is not None else float("inf"))
+            total, before = union_ms(spans, 0.0 if ref is not None else float("inf"))
             # A span ending before the wait event has negative offsets: all hidden.
             return SyncStats(len(self.buckets), total, before, total - before)
         spans = [(b.issued, b.done[0] if b.done else self._wait_done) for b in self.buckets if b.work is not None]
-        total, before = _union_ms(spans, self._wait_started)
+        total, before = union_ms(spans, self._wait_started)
         return SyncStats(len(self.buckets), total, before, (self._wait_done - self._wait_started) * 1e3)
 
     def describe(self) -> str:

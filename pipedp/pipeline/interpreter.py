@@ -96,8 +96,8 @@ class StepRun:
         }
 
     def run(self, op: Op) -> None:
-        """Run one action of this rank's program on its stage's lane."""
-        with self.ex.local[op.stage].lane.use():
+        """Run one action of this rank's program on its stage's lane (W: on the lane the executor gives it)."""
+        with self.ex.lane_of(op).use():
             self.handlers[op.kind](op)
 
     # -- receives posted ahead (:class:`Ahead`) ------------------------------------------------------
@@ -227,13 +227,24 @@ class StepRun:
         return loss
 
     def weight_grads(self, op: Op) -> None:
-        """W: the weight gradients microbatch ``i``'s I held back on stage ``s``, accumulated now."""
+        """W: the weight gradients microbatch ``i``'s I held back on stage ``s``, accumulated now.
+
+        On a side lane (``split_grads``) W starts once the stage's lane has
+        issued its I, and the tensors it reads stay alive until the side lane
+        has read them; the stage's lane goes on with its next action.
+        """
         s, i = op.stage, op.microbatch
-        lane = self.ex.local[s].lane
+        lane, own = self.ex.lane_of(op), self.ex.local[s].lane
+        held = self.held.pop((s, i), [])
+        if lane is not own:
+            lane.wait(own.record())
+            for h in held:
+                for t in h.reads:
+                    lane.keep(t)
         if self.timer is not None:
             self.timer.begin(lane)
         sync = self.sync
-        run_deferred(self.held.pop((s, i), []), sync.accumulated if sync is not None else lambda p: None)
+        run_deferred(held, sync.accumulated if sync is not None else lambda p: None)
         if self.timer is not None:
             self.timer.end(self.ex.pos[s], lane, f"W{i}")
 

@@ -18,7 +18,8 @@ from .interleaved import interleaved, interleaved_placement
 from .schedule import SCHEDULES, Action, Schedule, get_schedule
 from .simulate import Program, Simulation, simulate, simulate_ranks
 
-__all__ = ["PER_RANK", "NAMES", "check_schedule", "placement", "rank_orders", "per_stage", "simulate_schedule"]
+__all__ = ["PER_RANK", "NAMES", "check_schedule", "placement", "rank_orders", "split_backwards", "per_stage",
+           "simulate_schedule"]
 
 PER_RANK = ("interleaved",)  # the schedules ordered per rank: a rank interleaves the actions of its stages
 NAMES = (*SCHEDULES, *PER_RANK)
@@ -62,6 +63,17 @@ def rank_orders(schedule: str, stages: int, microbatches: int, ranks: int = 1, *
     for s, a in simulate(get_schedule(schedule)(stages, microbatches), duration=duration).order:
         out[place[s]].append((s, a))
     return list(out)
+
+
+def split_backwards(orders: Sequence[Program]) -> list[Program]:
+    """``orders`` with every whole backward B given as its input gradient I and, right after it, its weight
+    gradients W (``split_grads``: the interpreter runs that W on the stage's side lane, beside the next action).
+
+    Nothing moves: I takes B's place, so every dependency and message of the
+    order stays where it was, and W needs only its own I.
+    """
+    return [[x for s, a in prog for x in ([(s, Action("I", a.microbatch)), (s, Action("W", a.microbatch))]
+                                          if a.kind == "B" else [(s, a)])] for prog in orders]
 
 
 def per_stage(orders: Sequence[Program], stages: int) -> Schedule:

@@ -11,6 +11,7 @@ from ..comm import Communicator
 from ..decide.config import Config
 from ..decide.decision import Decision
 from ..decide.levers import settle
+from ..decide.measuring import KernelSwitch
 from ..decide.schedules import fixed
 from ..lower import make_executor, trial
 from ..options import ConcurrencyOptions, PipelineOptions, TrainingOptions
@@ -32,7 +33,7 @@ class BuiltTrials:
         self.options, self.comm, self.training, self.concurrency = options, comm, training, concurrency
         self.runs: dict[CpuPlan, Callable[[], object]] = {}  # kept warm: a plan timed again runs warm
 
-    def clock(self, kernels: Callable[[bool], None] | None) -> DeviceClock:
+    def clock(self, kernels: KernelSwitch | None) -> DeviceClock:
         return DeviceClock(self.model, self.parts, self.batch, self.devices, self.options, self.comm, self.training,
                            self.concurrency, kernels=kernels)
 

@@ -25,6 +25,7 @@ from ..comm import Communicator
 from ..decide.config import Config
 from ..decide.decision import Decision
 from ..decide.levers import settle
+from ..decide.measuring import KernelSwitch
 from ..decide.schedules import fixed
 from ..device import sync_devices
 from ..lower import in_layout, make_executor, set_layout, trial
@@ -59,10 +60,11 @@ class DeviceClock:
 
     def __init__(self, model: nn.Module, parts: Parts, batch: torch.Tensor, devices: Sequence[torch.device],
                  options: PipelineOptions, comm: Communicator, training: TrainingOptions,
-                 concurrency: ConcurrencyOptions | None = None, kernels: Callable[[bool], None] | None = None,
+                 concurrency: ConcurrencyOptions | None = None, kernels: KernelSwitch | None = None,
                  ) -> None:
         self.model, self.parts, self.batch, self.devices = model, parts, batch.to(devices[0]), list(devices)
         self.kernels = kernels  # puts the depthwise layers on the tuned kernels or on torch's (None: none swapped)
+        self.kernels_were = kernels.on if kernels is not None else False  # as found: put back on close
         self.options, self.comm, self.training, self.concurrency = options, comm, training, concurrency
         self.runs: dict[Config, Callable[[], object]] = {}
         self.stages: dict[Config, list[Stage]] = {}  # a plan's stages, compiled ones reused by the build
@@ -127,7 +129,7 @@ class DeviceClock:
             set_layout(self.model, config.channels_last)
             self.layout = config.channels_last
         if self.kernels is not None:
-            self.kernels(config.kernels)
+            self.kernels.use(config.kernels)
         run = self.runs.get(config)
         if run is not None:
             return run, None
@@ -145,8 +147,11 @@ class DeviceClock:
         return run, undo
 
     def close(self) -> None:
-        """Drop the warm runs (their graphs and buffers); the stages kept for the build stay."""
+        """Drop the warm runs (their graphs and buffers) and put the kernels back as found; the stages kept for
+        the build stay."""
         self.runs = {}
+        if self.kernels is not None:
+            self.kernels.use(self.kernels_were)
 
     def _own(self, config: Config) -> tuple[Callable[[], object], None]:
         """The user's own step: the unmodified model, forward and backward on the whole batch."""
@@ -183,9 +188,7 @@ class DeviceClock:
         w = microbatch.shares([t.shape[0] for t in xs])
         undo = None
         if planned.settled.branches or planned.settled.split_grads:
-            side = install(ex, planned.settled)
-            side.connect(ex, None)
-            undo = side.undo
+            undo = install(ex, planned.settled).undo
         elif config.compiled:
             self.stages[config] = list(ex.stages)
         return trial(ex, self.parts, xs, ys, w), undo

@@ -17,8 +17,8 @@ from pipedp.partition.profile import BlockProfile
 FP = Fingerprint({s: f"{i:016x}" for i, s in enumerate(SECTIONS)}, "cpu: test machine, 2 threads")
 PROFILES = [BlockProfile("a", 1.5, 3.25, 100, 200, 300), BlockProfile("b", 2.0, 4.0, 10, 20, 30)]
 DECISION = Decision(Config((1, 1), 4, channels_last=True, compiled=True, threads=(1, 1)), ("a note",),
-                    (("plain", 10.0), ("2x4 channels_last compiled threads 1+1", 8.5)), "plain", 10.0, 1.25,
-                    "a hint", "profile")
+                    (("plain", 10.0), ("2x4 channels_last compiled threads 1+1", 8.5)), bar="plain", bar_ms=10.0,
+                    planning_s=1.25, hint="a hint", source="profile")
 
 
 def test_the_record_is_plain_data_that_round_trips_through_json_and_weights_only_load():

@@ -263,20 +263,30 @@ def test_the_device_clock_switches_the_layers_and_the_build_leaves_them_as_decid
     assert engine.kernel_layers == (2 if on else 0)
 
 
-def test_a_failed_planning_leaves_the_layers_on_the_kernels_wrap_put_them_on(exported):
-    from tests.decide.clock_tables import TableClock
+def test_a_failed_planning_leaves_the_layers_on_the_kernels_wrap_put_them_on(exported, monkeypatch):
+    # The device clock's trials switch the layers per configuration; one fails after a trial on torch's kernels.
+    from pipedp.build import build_pipeline
+    from pipedp.comm import Local
+    from pipedp.options import PipelineOptions, TrainingOptions
+    from pipedp.trials.clock import DeviceClock
 
-    class FailsOnKernels(TableClock):
-        def measure(self, config, steps):
-            if config.kernels:
-                swap.use(False)  # as the device clock leaves them mid-trial
-                raise KeyboardInterrupt
-            return super().measure(config, steps)
+    switched = []
+    real = DeviceClock._ready
 
+    def ready(self, config):
+        if config.kernels:
+            raise KeyboardInterrupt
+        out = real(self, config)
+        switched.append(swap.on)
+        return out
+
+    monkeypatch.setattr(DeviceClock, "_ready", ready)
     root, db = exported
     model = _net_module(root).build()
     swap = swap_depthwise(model, "auto", str(db), torch.device("cpu"))
-    clock = FailsOnKernels({"plain": 10.0, "1x4": 7.0})
     with pytest.raises(KeyboardInterrupt):
-        _plan_on(model, swap, clock)
+        build_pipeline(model, torch.randn(8, 3, 16, 16), PipelineOptions(profile=False, microbatches=4, plan_cache=False,
+                                                                         progress=False),
+                       [torch.device("cpu")], Local(), training=TrainingOptions(channels_last=False), kernels=swap)
+    assert False in switched  # a trial ran on torch's kernels before the failure
     assert swap.on and all(type(m) is TunedDepthwiseConv2d for m in model.modules() if is_depthwise(m))

@@ -137,7 +137,7 @@ def test_every_lane_the_step_joins_was_forked_at_its_start(monkeypatch):
     st = [Stage(i, Chain([Block(str(i), nn.Linear(4, 4))]), torch.device("cpu"), Waits(f"stage{i}"))
           for i in range(2)]
     ex = Executor(st, one_f_one_b(2, 2))
-    ex.side_lanes = [Waits("side-used"), Waits("side-unused")]
+    ex.extra_lanes = {0: [Waits("side-used")], 1: [Waits("side-unused")]}
     xs = list(torch.randn(4, 4).split(2))
     ex.train(xs, xs, [0.5, 0.5], lambda out, y: (out - y).pow(2).mean())
     joined = [other for lane, other in log if lane == "caller"]

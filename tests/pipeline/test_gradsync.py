@@ -4,33 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from pipedp.pipeline.gradsync import GradSync, _pack, _union_ms
+from pipedp.pipeline.gradsync import GradSync
 from tests import multiproc
-
-
-def test_buckets_go_last_layer_first_and_close_at_their_cap():
-    """DDP's rule: a bucket closes once it holds its cap (the tensor that reaches it included)."""
-    params = [nn.Parameter(torch.zeros(n)) for n in (10, 10, 30, 5, 5)]
-    assert [[p.numel() for p in b] for b in _pack(params, cap=80)] == [[5, 5, 30], [10, 10]]  # 80 bytes: 20 floats
-    assert [[p.numel() for p in b] for b in _pack(params, cap=10**6)] == [[5, 5, 30, 10, 10]]
-    half = nn.Parameter(torch.zeros(4, dtype=torch.float16))
-    assert len(_pack([params[0], half], cap=10**6)) == 2  # one dtype per bucket
-
-
-def test_the_first_bucket_closes_early_and_the_first_layers_go_last_on_their_own():
-    """The last layers' small bucket launches with the first big tensor; the forward's first layers (whose
-    gradients come last) make their own last bucket, so little waits for the end of backward."""
-    params = [nn.Parameter(torch.zeros(n)) for n in (10, 10, 30, 5, 5)]
-    assert [[p.numel() for p in b] for b in _pack(params, cap=80, first_cap=40)] == [[5, 5], [30], [10], [10]]
-    assert [[p.numel() for p in b] for b in _pack(params, cap=200, first_cap=40)] == [[5, 5], [30, 10], [10]]
-    assert [[p.numel() for p in b] for b in _pack(params[:1], cap=80, first_cap=4)] == [[10]]  # one tensor: one bucket
-    packed = _pack(params, cap=200, first_cap=40)
-    assert sorted(map(id, (p for b in packed for p in b))) == sorted(map(id, params))  # each parameter once
-
-
-def test_union_of_spans_and_the_part_before_the_wait():
-    total, before = _union_ms([(0.0, 1e-3), (0.5e-3, 2e-3), (3e-3, 4e-3)], until=1.5e-3)
-    assert total == pytest.approx(3.0) and before == pytest.approx(1.5)
 
 
 def _sync_case(rank: int, world: int, reduce_dtype) -> dict:

@@ -1,5 +1,7 @@
 """Weight gradients held back for W: equal to autograd's, and a zero-bubble step equal to plain accumulation."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -46,14 +48,62 @@ def test_convolutions_and_linears_hold_their_weight_gradients_until_w():
         assert (g - e).abs().max().item() <= 1e-6
 
 
-def test_outside_training_or_under_autocast_nothing_is_held():
+def test_outside_training_nothing_is_held():
     model, queue = _model(), []
     x = torch.randn(2, 3, 8, 8)
     with Deferred(queue, anchor(CPU)), torch.no_grad():
         model(x)
-    with Deferred(queue, anchor(CPU)), torch.autocast("cpu", dtype=torch.bfloat16):
-        model(x).float().sum().backward()
-    assert queue == [] and model[0].weight.grad is not None
+    assert queue == []
+
+
+@pytest.mark.parametrize("kw", [
+    dict(stride=1, padding=1, bias=True),
+    dict(stride=2, padding=1, bias=False),
+    dict(stride=1, padding=2, dilation=2, groups=2, bias=True),
+    dict(stride=1, padding=0, groups=4, bias=False),  # depthwise
+])
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_a_held_convolution_and_linear_equal_plain_ones_under_autocast_too(kw, dtype):
+    # Under autocast the held node casts as autocast would (output dtype and values equal) and casts the
+    # gradients back to each tensor's dtype, as the backward of autocast's casts does; W adds to .grad in place.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(4, 8, 3, **kw), nn.Flatten(1), nn.LazyLinear(3))
+    model(torch.randn(1, 4, 9, 9))
+    ref = copy.deepcopy(model)
+    x = torch.randn(3, 4, 9, 9, requires_grad=True)
+    xr = x.detach().clone().requires_grad_()
+    queue: list = []
+    heard: list = []
+    for _ in range(2):  # the second W adds to .grad in place, as AccumulateGrad does
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            with Deferred(queue, anchor(CPU)):
+                out = model(x)
+            want = ref(xr)
+        assert out.dtype == want.dtype and torch.equal(out, want)
+        out.float().square().mean().backward()
+        want.float().square().mean().backward()
+        assert len(queue) == 2 and all(len(h.reads) >= 2 for h in queue)
+        run_deferred(queue, heard.append)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert p.grad.dtype == torch.float32 and (p.grad - q.grad).abs().max().item() <= 1e-5
+    assert x.grad.dtype == torch.float32 and (x.grad - xr.grad).abs().max().item() <= 1e-5
+    params = list(model.parameters())
+    assert len(heard) == 2 * len(params) and {id(p) for p in heard} == {id(p) for p in params}
+
+
+def test_a_layer_with_a_frozen_weight_is_left_to_autograd():
+    torch.manual_seed(0)
+    conv, queue = nn.Conv2d(3, 4, 3, padding=1), []
+    ref = copy.deepcopy(conv)
+    for m in (conv, ref):
+        m.weight.requires_grad_(False)
+    x = torch.randn(2, 3, 6, 6)
+    with Deferred(queue, anchor(CPU)):
+        out = conv(x)
+    out.sum().backward()
+    ref(x).sum().backward()
+    assert queue == []
+    assert conv.weight.grad is None and torch.allclose(conv.bias.grad, ref.bias.grad, atol=1e-6)
 
 
 def _executor(model: nn.Sequential, schedule) -> Executor:

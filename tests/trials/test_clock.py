@@ -48,13 +48,23 @@ def test_trials_leave_parameters_gradients_and_layout_as_they_were():
     assert model[0].weight.is_contiguous()  # back in NCHW after the last trial in that layout
 
 
+class Switch:
+    """A kernel switch (:class:`~pipedp.decide.measuring.KernelSwitch`) that remembers its position."""
+
+    def __init__(self, on):
+        self.on = on
+
+    def use(self, on):
+        self.on = on
+
+
 def test_each_trial_runs_on_its_configurations_kernels_and_the_users_own_step_on_torchs():
     model, x = sequential_cnn(), torch.randn(8, 3, 16, 16)
-    state, seen = {"on": None}, []
-    model[0].register_forward_pre_hook(lambda m, a: seen.append(state["on"]))
+    switch, seen = Switch(None), []
+    model[0].register_forward_pre_hook(lambda m, a: seen.append(switch.on))
     blocks = blocks_of(model)
     clock = DeviceClock(model, Parts(blocks, check_chain(model, blocks, x[:2])), x, CPU, PipelineOptions(), Local(),
-                        TrainingOptions(), kernels=lambda on: state.update(on=on))
+                        TrainingOptions(), kernels=switch)
     n = len(clock.parts.blocks)
     for config, on in [(Config((n,), 2, kernels=True), True), (Config((n,), 1, own=True), False),
                        (Config((n,), 2), False), (Config((n,), 2, kernels=True), True)]:
@@ -62,3 +72,17 @@ def test_each_trial_runs_on_its_configurations_kernels_and_the_users_own_step_on
         clock.warm(config)
         clock.measure(config, 1)
         assert seen and set(seen) == {on}, config.label
+
+
+def test_closing_the_clock_puts_the_kernels_back_as_it_found_them():
+    model, x = sequential_cnn(), torch.randn(8, 3, 16, 16)
+    blocks = blocks_of(model)
+    for found in (False, True):
+        switch = Switch(found)
+        clock = DeviceClock(model, Parts(blocks, check_chain(model, blocks, x[:2])), x, CPU, PipelineOptions(),
+                            Local(), TrainingOptions(), kernels=switch)
+        config = Config((len(blocks),), 2, kernels=not found)
+        clock.warm(config)
+        assert switch.on is (not found)
+        clock.close()
+        assert switch.on is found
