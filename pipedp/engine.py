@@ -222,7 +222,7 @@ class Engine:
             if levers.early_update:
                 ex = pipe.executor
                 early = EarlyUpdate(self.optimizer, ex.stages, ex.train_order,
-                                    {st.index: ex.lanes_of(st.index) for st in ex.stages})
+                                    {st.index: ex.lanes.of_stage(st.index) for st in ex.stages})
             self._runner = StepRunner(self.module, pipe, self.optimizer, self.loss_fn, self.comm, grads, early)
         return self._runner
 
@@ -307,7 +307,7 @@ class Engine:
         # A small batch's step (fewer microbatches) is not one the plan's per-microbatch times describe.
         full = microbatch.count(x.shape[0], runner.microbatches) == runner.microbatches
         measuring = 1 <= self.steps <= runner.pipe.decision.settled.measure_steps and full
-        clock = Clock(ex.devices) if trace_path is not None else None
+        clock = Clock(ex.lanes.devices) if trace_path is not None else None
         timer = StepTimer(len(ex.stages), clock) if measuring or clock is not None else None
         kept: list[Any] | None = [] if return_outputs else None
         loss = runner.step(x, y, self.steps, timer, kept, update=update, divisor=loss_divisor)

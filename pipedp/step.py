@@ -158,7 +158,7 @@ class StepRunner:
             return loss  # type: ignore[return-value]
         self.pending = 0
         clock = timer.clock if timer is not None else None
-        devices = self.pipe.executor.devices
+        devices = self.pipe.executor.lanes.devices
         marks = [(d, clock.mark(current_lane(d))) for d in devices] if clock is not None else []
         rollback = self.rollback if apply else None
         if rollback is not None:
@@ -208,7 +208,7 @@ class StepRunner:
     def _undo_early_updates(self) -> None:
         """Put back what the stages updated early, once every lane that may still be updating is joined."""
         assert self.early is not None and self.before_update is not None
-        self.pipe.executor._join()
+        self.pipe.executor.lanes.join()
         self.early.join()
         self.before_update.restore()
 
@@ -246,7 +246,7 @@ class StepRunner:
         ``held``: the gradients accumulated by earlier calls of the window
         (``update=False``), put back; else gradients are zeroed.
         """
-        self.pipe.executor._join()
+        self.pipe.executor.lanes.join()
         if self.pipe.transport is not None:
             self.pipe.transport.reset()
         if self.pipe.batchnorm is not None:

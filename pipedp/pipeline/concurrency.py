@@ -6,7 +6,7 @@ installing: the lowering gives each backward as I then W and the executor
 runs W on the stage's side lane (``Executor(side_weights=True)``).
 :func:`connect` tells the gradient sync which lanes a stage's gradients are
 accumulated on; the executor's end-of-step join and an early update read
-them from :meth:`Executor.lanes_of`. The early update itself needs the
+them from :meth:`~pipedp.pipeline.lanes.RankLanes.of_stage`. The early update itself needs the
 optimizer and is made by the engine
 (:class:`~pipedp.pipeline.early_update.EarlyUpdate`).
 """
@@ -70,7 +70,7 @@ def install(executor: Executor, pieces: Pieces) -> Concurrency:
         done.branches = concurrent_branches(executor.stages)
         if done.branches.lanes is not None:
             for st in executor.stages:
-                executor.extra_lanes.setdefault(st.index, []).append(done.branches.lanes.by_stage[st.index])
+                executor.lanes.extra.setdefault(st.index, []).append(done.branches.lanes.by_stage[st.index])
     return done
 
 
@@ -80,6 +80,6 @@ def connect(executor: Executor, sync: GradSync | None) -> None:
     if sync is None:
         return
     for pos, st in enumerate(executor.stages):
-        extra = executor.lanes_of(st.index)
+        extra = executor.lanes.of_stage(st.index)
         if extra:
             sync.after[pos] = [st.lane, *extra]

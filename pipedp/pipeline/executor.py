@@ -21,7 +21,6 @@ from typing import Any, Callable, Collection, Sequence
 
 import torch
 
-from ..device import canonical_device
 from ..partition.parts import tensors_in
 from .ahead import Ahead
 from .cpu_lane import Flight
@@ -33,9 +32,9 @@ from .ranks import COMPUTE, Op, check_programs, close_stages, format_program, lo
 from .schedule import Action, Schedule, forward_only
 from .simulate import simulate
 from .stage import Stage
-from .stream import Lane, current_lane, new_lane
+from .lanes import RankLanes
+from .stream import Lane, current_lane
 from .trace import Clock
-from .weight_grad import anchor
 
 __all__ = ["Executor", "StepTimer", "GradSyncLike", "StageUpdateLike", "LossFn"]
 
@@ -136,7 +135,7 @@ class Executor:
         if transport is None and len(mine) != n:
             raise ValueError("stages on other ranks need a transport")
         # Backwards split into I and W (zero-bubble schedules): their forwards hold the weight gradients back.
-        self.split = grad_kinds((s, a) for s, acts in enumerate(schedule) for a in acts)
+        self.split = grad_kinds([(s, a) for s, acts in enumerate(schedule) for a in acts])
         self.microbatches = len({a.microbatch for a in schedule[0]})
         compute = _by_rank(simulate(schedule, duration=duration).order if orders is None else
                            _checked(orders, schedule), self.stage_rank)
@@ -158,22 +157,13 @@ class Executor:
         self._fewer: dict[int, tuple[list[tuple[int, Action]], list[tuple[int, Action]], dict[int, int]]] = {}
         self._lowered: dict[tuple[int, bool], list[Op]] = {}
         self.is_first, self.is_last = 0 in mine, n - 1 in mine
-        # With their indices: _move compares them with tensors' devices and looks copy lanes up by them.
-        self.devices = list(dict.fromkeys(canonical_device(s.device) for s in self.stages))
-        # One copy lane per device: cross-device copies run on the source device's copy lane.
-        self.copy_lanes = {d: new_lane(d, f"copy:{d}") for d in self.devices if len(self.devices) > 1}
-        # Per stage, the lanes it issues work on besides its own (W's side lane; a block's shortcut, installed
-        # later): a step forks and joins them, readers of a stage's gradients wait for them.
-        self.w_lanes = {st.index: new_lane(st.device, f"wgrad{st.index}") for st in self.stages} \
-            if side_weights else {}
-        self.extra_lanes: dict[int, list[Lane]] = {s: [lane] for s, lane in self.w_lanes.items()}
+        # Each stage's lane, its side lanes, the copy lanes between devices, the held nodes' anchors.
+        self.lanes = RankLanes(self.local, side_weights=side_weights, held=bool(self.split))
         workers = [st.lane.worker is not None for st in self.stages]
-        if any(workers) and (not all(workers) or transport is not None or self.devices[0].type != "cpu"):
+        if any(workers) and (not all(workers) or transport is not None or self.lanes.devices[0].type != "cpu"):
             raise ValueError("CPU worker lanes need every stage on the CPU of this process (no pipeline ranks): "
                              "give every stage a thread count, or none")
         self.workers = all(workers) and bool(workers)
-        # The leaf each device's held weight-gradient nodes hang from, where backwards are split.
-        self._anchors = {d: anchor(d) for d in self.devices} if self.split else {}
         if self.split and self.workers:
             raise ValueError("a schedule with split backwards (I and W) runs one action at a time: give the stages "
                              "no thread counts of their own, or run gpipe or 1f1b")
@@ -181,73 +171,6 @@ class Executor:
     def program_text(self) -> str:
         """Each rank's program of a training step, a line a rank (``rank 0: 0F0 0SEND_F0 0F1 ...``)."""
         return "\n".join(f"rank {r}: {format_program(ops)}" for r, ops in sorted(self.programs.items()))
-
-    # -- plumbing ---------------------------------------------------------------------------------
-    @property
-    def side_lanes(self) -> list[Lane]:
-        """Every lane the stages issue work on besides their own."""
-        return list(dict.fromkeys(lane for lanes in self.extra_lanes.values() for lane in lanes))
-
-    def lanes_of(self, stage: int) -> list[Lane]:
-        """The lanes besides its own on which stage ``stage`` (global index) accumulates gradients."""
-        return list(self.extra_lanes.get(stage, ()))
-
-    def lane_of(self, op: Op) -> Lane:
-        """The lane ``op`` runs on: its stage's, or for W the stage's side lane where there is one."""
-        if op.kind == "W" and op.stage in self.w_lanes:
-            return self.w_lanes[op.stage]
-        return self.local[op.stage].lane
-
-    def anchor_of(self, device: torch.device) -> torch.Tensor:
-        """The leaf the held weight-gradient nodes of ``device`` hang from (:mod:`.weight_grad`)."""
-        return self._anchors[canonical_device(device)]
-
-    def _fork(self) -> None:
-        """Every lane starts after what the caller issued before the step.
-
-        The copy and side lanes too, although their work waits for a stage's
-        lane anyway: :meth:`_join` makes the caller wait for each of them, and
-        under CUDA-graph capture a stream may only wait for a stream that joined
-        the capture. A side lane a step never uses (a model without a forking
-        block, a stage without a convolution) would otherwise be an uncaptured
-        stream, and waiting for it invalidates the capture.
-        """
-        for s in self.stages:
-            s.lane.wait_lane(current_lane(s.device))
-        for lane in (*self.copy_lanes.values(), *self.side_lanes):
-            lane.wait_lane(current_lane(lane.device))
-
-    def _join(self) -> None:
-        """The caller's streams wait for everything the step issued."""
-        for d in self.devices:
-            cur = current_lane(d)
-            for s in self.stages:
-                if s.device == d:
-                    cur.wait_lane(s.lane)
-            if d in self.copy_lanes:
-                cur.wait_lane(self.copy_lanes[d])
-            for side in self.side_lanes:
-                if side.device == d:
-                    cur.wait_lane(side)
-
-    def _move(self, t: torch.Tensor, ready: "torch.cuda.Event | None", src: torch.device, dst: Lane) -> torch.Tensor:
-        """``t`` (made on ``src`` when ``ready`` fires) usable on lane ``dst``."""
-        src = canonical_device(src)
-        if src == dst.device:
-            dst.wait(ready)
-            dst.keep(t)
-            return t
-        if src.type != "cuda" or dst.device.type != "cuda":
-            dst.wait(ready)
-            return t.to(dst.device)
-        copy = self.copy_lanes[src]
-        copy.wait(ready)
-        # torch copies across devices on the source's current stream and makes the
-        # destination's current stream wait for it: make those our copy lane and dst.
-        with copy.use(), dst.use():
-            out = t.to(dst.device, non_blocking=True)
-        copy.keep(t)
-        return out
 
     def program(self, k: int, training: bool = True) -> list[Op]:
         """This rank's program of a step of ``k`` microbatches: its actions in order with the messages between
@@ -265,7 +188,7 @@ class Executor:
         """Run this rank's ``program``: one thread, its actions in order, posting the receives still to come
         ahead; or each action queued to its stage's CPU worker, to start once what it needs from the other
         stages is done."""
-        self._fork()
+        self.lanes.fork()
         if self.workers:
             flight = Flight()
             for op in program:
@@ -286,7 +209,7 @@ class Executor:
             self.transport.flush()
         if step.update is not None:
             step.update.join()
-        self._join()
+        self.lanes.join()
 
     def orders(self, k: int) -> tuple[list[tuple[int, Action]], list[tuple[int, Action]], dict[int, int]]:
         """Training order, inference order and last backward per local stage of a step of ``k`` microbatches.

@@ -97,7 +97,7 @@ class StepRun:
 
     def run(self, op: Op) -> None:
         """Run one action of this rank's program on its stage's lane (W: on the lane the executor gives it)."""
-        with self.ex.lane_of(op).use():
+        with self.ex.lanes.of(op).use():
             self.handlers[op.kind](op)
 
     # -- receives posted ahead (:class:`Ahead`) ------------------------------------------------------
@@ -171,12 +171,12 @@ class StepRun:
         ex = self.ex
         lane = ex.local[s].lane
         if s == 0:
-            return ex._move(self.xs[i], None, self.xs[i].device, lane)
+            return ex.lanes.move(self.xs[i], None, self.xs[i].device, lane)
         if s - 1 in ex.local:
             prev = self.outputs[s - 1][i]
             assert prev is not None
             src, ready = ex.local[s - 1].device, self.fwd_ev[s - 1][i]
-            inp = leaf(map_tensors(prev, lambda t: ex._move(t.detach(), ready, src, lane)),
+            inp = leaf(map_tensors(prev, lambda t: ex.lanes.move(t.detach(), ready, src, lane)),
                        [t.requires_grad for t in tensors(prev)])
             if self.loss_fn is None:  # inference keeps nothing for a backward
                 self.outputs[s - 1][i] = None
@@ -194,7 +194,7 @@ class StepRun:
         if timer is not None:
             timer.begin(lane)
         if self.loss_fn is not None and (s, i) in ex.split and stage.body is None:  # compiled or recomputed: whole
-            with Deferred(self.held.setdefault((s, i), []), ex.anchor_of(stage.device)):
+            with Deferred(self.held.setdefault((s, i), []), ex.lanes.anchor(stage.device)):
                 out = stage(inp)
         else:
             out = stage(inp)
@@ -214,7 +214,7 @@ class StepRun:
         stage = ex.local[s]
         assert self.loss_fn is not None and self.ys is not None and self.weights is not None
         with stage.precision():  # the loss under autocast too, as in plain autocast training
-            loss = self.loss_fn(out, ex._move(self.ys[i], None, self.ys[i].device, stage.lane))
+            loss = self.loss_fn(out, ex.lanes.move(self.ys[i], None, self.ys[i].device, stage.lane))
         err = _loss_error(loss)
         if err:
             raise ValueError(err)
@@ -234,7 +234,7 @@ class StepRun:
         has read them; the stage's lane goes on with its next action.
         """
         s, i = op.stage, op.microbatch
-        lane, own = self.ex.lane_of(op), self.ex.local[s].lane
+        lane, own = self.ex.lanes.of(op), self.ex.local[s].lane
         held = self.held.pop((s, i), [])
         if lane is not own:
             lane.wait(own.record())
@@ -279,7 +279,7 @@ class StepRun:
                     # A tensor whose next-stage copy got no gradient adds nothing to the backward.
                     pairs = [(o, n.grad) for o, n in zip(tensors(out), tensors(nxt))
                              if o.requires_grad and n.grad is not None]
-                    outs, grads = [o for o, _ in pairs], [ex._move(g, ready, src, lane) for _, g in pairs]
+                    outs, grads = [o for o, _ in pairs], [ex.lanes.move(g, ready, src, lane) for _, g in pairs]
                 elif outs:
                     grads = self.arrived.pop((s, i))
                 if timer is not None:

@@ -197,7 +197,7 @@ def _timeline(lanes: Sequence[Program], res: Sequence[int], stages: int,
               dur: Callable[[int, Action], float], transfer: Callable[[int, Action], float] | None,
               by_rank: bool) -> tuple[Slot, ...]:
     """Every action's slot: each lane takes its actions in order, the earliest start first."""
-    split = grad_kinds(x for prog in lanes for x in prog)
+    split = grad_kinds([x for prog in lanes for x in prog])
     ptr = [0] * len(lanes)
     lane_free = [0.0] * len(lanes)
     res_free: dict[int, float] = {}

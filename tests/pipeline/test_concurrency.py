@@ -54,9 +54,9 @@ def test_the_pieces_are_joined_at_the_end_of_a_step_and_undone():
     model = resnet18(width=4)
     engine = engine_for(model, stages=2, sample=torch.randn(4, 3, 8, 8), **ALL)
     pipe = engine._pipe
-    lanes = {id(lane) for st in pipe.executor.stages for lane in pipe.executor.lanes_of(st.index)}
-    assert {lane.name for lane in pipe.executor.side_lanes} == {"wgrad0", "wgrad1", "branch0"}  # one CPU stand-in
-    assert {id(lane) for lane in pipe.executor.side_lanes} == lanes
+    lanes = {id(lane) for st in pipe.executor.stages for lane in pipe.executor.lanes.of_stage(st.index)}
+    assert {lane.name for lane in pipe.executor.lanes.side} == {"wgrad0", "wgrad1", "branch0"}  # one CPU stand-in
+    assert {id(lane) for lane in pipe.executor.lanes.side} == lanes
     notes = "\n".join(engine.plan.notes)
     assert "3 residual block(s)" in notes and "split_grads=True" in notes and "early_update=True" in notes
     keys = list(model.state_dict())
@@ -67,7 +67,7 @@ def test_the_pieces_are_joined_at_the_end_of_a_step_and_undone():
 
 def test_nothing_is_installed_when_all_are_off():
     engine = engine_for(tiny_resnet(), stages=2, sample=torch.randn(4, 3, 8, 8))
-    assert engine._pipe.concurrency is None and engine._pipe.executor.side_lanes == []
+    assert engine._pipe.concurrency is None and engine._pipe.executor.lanes.side == []
 
 
 def test_side_lanes_a_model_never_uses_are_forked_before_they_are_joined(monkeypatch):

@@ -97,32 +97,11 @@ def test_forward_only_and_fewer_microbatches():
         ex.forward(xs + xs[:1])
 
 
-def test_a_device_without_its_index_is_the_same_device_as_its_tensors():
-    # torch.device("cuda") != torch.device("cuda", 0), but a CUDA tensor always reports its index. Stages declared on
-    # "cuda" once sent their own inputs through the copy lanes, which exist only across devices: KeyError (H100 run
-    # of test_auto_on_one_gpu_times_real_trials_beside_the_plain_step). The logic needs no GPU: stand-in lanes.
-    from pipedp.device import canonical_device
-
-    cuda0 = canonical_device("cuda")
-    assert cuda0.type == "cuda" and cuda0.index is not None and canonical_device("cuda:1").index == 1
-    assert canonical_device("cpu") == torch.device("cpu")
-    lanes = [Lane(torch.device("cuda"), None, "L0"), Lane(cuda0, None, "L1")]
-    assert lanes[0].device == cuda0
-    st = [Stage(i, Chain([Block(str(i), nn.Identity())]), d, lanes[i])
-          for i, d in enumerate([torch.device("cuda"), cuda0])]
-    assert [s.device for s in st] == [cuda0, cuda0]
-    ex = Executor(st, one_f_one_b(2, 2))
-    assert ex.devices == [cuda0] and ex.copy_lanes == {}
-    t = torch.ones(2)  # stands for a tensor on cuda0
-    assert ex._move(t, None, cuda0, lanes[0]) is t
-    assert ex._move(t, None, torch.device("cuda"), lanes[1]) is t
-
-
 def test_every_lane_the_step_joins_was_forked_at_its_start(monkeypatch):
     # Under CUDA-graph capture the caller's stream may only wait for streams that joined the capture. A side lane
     # that a step never uses (no forking block for branches=True, as in MobileNetV2) was joined without being forked:
     # cudaErrorStreamCaptureInvalidated on the H100. Every lane joined at the end must be forked at the start.
-    from pipedp.pipeline import executor as executor_module
+    from pipedp.pipeline import lanes as lanes_module
 
     log = []
 
@@ -133,11 +112,11 @@ def test_every_lane_the_step_joins_was_forked_at_its_start(monkeypatch):
         def wait_lane(self, other):
             log.append((self.name, other.name))
 
-    monkeypatch.setattr(executor_module, "current_lane", lambda device: Waits("caller"))
+    monkeypatch.setattr(lanes_module, "current_lane", lambda device: Waits("caller"))
     st = [Stage(i, Chain([Block(str(i), nn.Linear(4, 4))]), torch.device("cpu"), Waits(f"stage{i}"))
           for i in range(2)]
     ex = Executor(st, one_f_one_b(2, 2))
-    ex.extra_lanes = {0: [Waits("side-used")], 1: [Waits("side-unused")]}
+    ex.lanes.extra = {0: [Waits("side-used")], 1: [Waits("side-unused")]}
     xs = list(torch.randn(4, 4).split(2))
     ex.train(xs, xs, [0.5, 0.5], lambda out, y: (out - y).pow(2).mean())
     joined = [other for lane, other in log if lane == "caller"]

@@ -64,9 +64,9 @@ def test_w_waits_for_its_stages_lane_by_an_event_keeps_what_it_reads_and_runs_on
     ex = Executor(_stages(model), schedule, orders=orders, side_weights=True)
     log: list = []
     side, main = LoggingLane("side0", log), LoggingLane("s0", log)
-    ex.local[0].lane, ex.w_lanes[0] = main, side
-    ex.extra_lanes[0] = [side]
-    assert ex.lanes_of(0) == [side] and side in ex.side_lanes
+    ex.local[0].lane, ex.lanes.weights[0] = main, side
+    ex.lanes.extra[0] = [side]
+    assert ex.lanes.of_stage(0) == [side] and side in ex.lanes.side
     x, y = torch.randn(2, 3, 6, 6), torch.randn(2, 2)
     ex.train([x], [y], [1.0], lambda o, t: (o - t).square().mean())
     w = log.index(("enter", "side0"))
@@ -83,7 +83,7 @@ def test_w_without_a_side_lane_runs_on_the_stages_lane():
     schedule = [[a for s, a in orders[0] if s == k] for k in range(2)]
     ex = Executor(_stages(model), schedule, orders=orders)
     w = next(op for op in ex.program(1) if op.kind == "W")
-    assert ex.lane_of(w) is ex.local[w.stage].lane and ex.side_lanes == []
+    assert ex.lanes.of(w) is ex.local[w.stage].lane and ex.lanes.side == []
 
 
 @pytest.mark.cuda
@@ -97,7 +97,7 @@ def test_on_cuda_w_runs_on_the_side_stream_and_the_step_equals_plain_training():
     ref = clone(model)
     batches = [(x.cuda(), y.cuda()) for x, y in data(n=6, size=8, steps=2)]
     engine = engine_for(model, stages=2, split_grads=True, devices="cuda")
-    streams = {st.index: engine._pipe.executor.w_lanes[st.index].stream for st in engine._pipe.executor.stages}
+    streams = {st.index: engine._pipe.executor.lanes.weights[st.index].stream for st in engine._pipe.executor.stages}
     assert all(s is not None and s != torch.cuda.current_stream() for s in streams.values())
     for x, y in batches:
         engine.train_step(x, y)
