@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..options import StagesSpec
-from ..partition.balance import balance
+from ..partition.balance import balance, refine
 from ..partition.profile import BlockProfile
 from ..pipeline import microbatch
 from ..pipeline.deps import action_ms
@@ -149,7 +149,10 @@ def resolve_counts(
         _check_ranks(stages, ranks, n)
         places = stage_places(stages, devices, ranks, schedule) if stages >= 1 else []
         transfer = _transfer_ms(profiles) if len(set(places)) == stages > 1 else None
-        return balance(costs, stages, transfer=transfer), []
+        counts = balance(costs, stages, transfer=transfer)
+        if schedule not in PER_RANK:
+            return counts, []
+        return _refined(profiles, counts, devices, microbatches, schedule, ranks)
     try:
         counts = [int(k) for k in stages]  # type: ignore[union-attr]
     except (TypeError, ValueError):
@@ -201,13 +204,27 @@ def _auto_per_rank(profiles: Sequence[BlockProfile], devices: Sequence[torch.dev
     costs = [p.cost_ms for p in profiles]
     best: tuple[float, int, list[int]] | None = None
     for v in range(1, min(MAX_PER_RANK, len(profiles) // ranks) + 1):
-        counts = balance(costs, v * ranks, transfer=_transfer_ms(profiles))
+        counts, _ = _refined(profiles, balance(costs, v * ranks, transfer=_transfer_ms(profiles)), devices,
+                             microbatches, schedule, ranks)
         ms = simulate_plan(profiles, counts, devices, microbatches, schedule, ranks).makespan
         if best is None or ms < best[0] - 1e-9:
             best = (ms, v, counts)
     assert best is not None
     return best[2], [f"stages=auto, {schedule}: {best[1]} stage(s) per pipeline rank, the fastest simulated step "
                      f"of 1 to {MAX_PER_RANK}"]
+
+
+def _refined(profiles: Sequence[BlockProfile], counts: list[int], devices: Sequence[torch.device],
+             microbatches: int, schedule: str, ranks: int) -> tuple[list[int], list[str]]:
+    """A per-rank schedule's cut: the balanced ``counts`` refined on the simulated step (:func:`refine`)."""
+    def step_ms(c: Sequence[int]) -> float:
+        return simulate_plan(profiles, c, devices, microbatches, schedule, ranks).makespan
+
+    out = refine(counts, step_ms)
+    if out == counts:
+        return out, []
+    return out, [f"{schedule}: the balanced cut {counts} moved to {out}, {step_ms(counts):.1f} -> "
+                 f"{step_ms(out):.1f} ms per simulated step (each rank runs several stages: its sum sets the step)"]
 
 
 def untimed_microbatches(stages: int, batch: int) -> int:

@@ -41,7 +41,7 @@ from typing import Sequence
 
 import torch
 
-from ..partition.balance import balance
+from ..partition.balance import balance, refine, stage_costs
 from ..partition.profile import BlockProfile
 from ..pipeline.microbatch import MIN_SAMPLES
 from ..pipeline.deps import ACCUMULATES
@@ -269,10 +269,26 @@ def layouts(blocks: Sequence[BlockProfile] | BlockCosts, ranks: int, global_batc
                     at = blocks.at(per_replica / m)
                     cuts = [tuple(balance([b.cost_ms for b in at], pp * v))]
                     cuts += [hop_aware_cut(at, pp * v, hop, 1.0)] if hop is not None else []
+                    cuts += [rank_balanced_cut(at, cuts[0], placement(sched, pp * v, pp))] if v > 1 else []
                 for counts in dict.fromkeys(cuts):
                     for wire in (reduce_dtypes if dp > 1 else (None,)):
                         out.append(Layout(dp, counts, m, sched, wire, per_rank=v))
     return out
+
+
+def rank_balanced_cut(blocks: Sequence[BlockProfile], counts: Sequence[int], ranks: Sequence[int]
+                      ) -> tuple[int, ...]:
+    """``counts`` refined until the busiest rank's stages (``ranks[s]``: stage s's rank) cost the least a move of
+    one cut point can give: where a rank runs several stages, their sum sets its share of the step."""
+    costs = [b.cost_ms for b in blocks]
+
+    def busiest(c: Sequence[int]) -> float:
+        load: dict[int, float] = {}
+        for r, ms in zip(ranks, stage_costs(costs, c)):
+            load[r] = load.get(r, 0.0) + ms
+        return max(load.values())
+
+    return tuple(refine(counts, busiest))
 
 
 def hop_aware_cut(blocks: Sequence[BlockProfile], pp: int, hop: Link, scale: float) -> tuple[int, ...]:

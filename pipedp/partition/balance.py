@@ -10,13 +10,13 @@ of the greedy heuristics some pipeline libraries use.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from ..checks import positive_int
 
-__all__ = ["balance", "stage_costs"]
+__all__ = ["balance", "stage_costs", "refine"]
 
 
 def _check_costs(costs: Sequence[float], name: str, length: int | None = None) -> np.ndarray:
@@ -107,3 +107,32 @@ def balance(
     counts.reverse()
     assert sum(counts) == n and all(k >= 1 for k in counts), counts
     return counts
+
+
+def refine(counts: Sequence[int], step_ms: Callable[[Sequence[int]], float]) -> list[int]:
+    """``counts`` with one cut point at a time moved by one block while ``step_ms`` of the cut gets shorter.
+
+    Where a rank holds several stages (interleaved), the slowest stage does
+    not set the step: each rank's sum and the flow between its stages do, so
+    the bottleneck-optimal cut (:func:`balance`) is a start, not the answer.
+    A local search on the simulated step from there never returns a cut the
+    simulator thinks slower than the one given; it stops at the first cut no
+    single move improves.
+    """
+    best = [int(k) for k in counts]
+    if any(k < 1 for k in best):
+        raise ValueError(f"counts must be positive block counts, got {list(counts)}")
+    best_ms = step_ms(best)
+    improved = True
+    while improved:
+        improved = False
+        for i in range(len(best) - 1):
+            for d in (-1, 1):
+                cand = list(best)
+                cand[i], cand[i + 1] = cand[i] + d, cand[i + 1] - d
+                if min(cand) < 1:
+                    continue
+                ms = step_ms(cand)
+                if ms < best_ms * (1 - 1e-9):
+                    best, best_ms, improved = cand, ms, True
+    return best

@@ -191,3 +191,13 @@ def test_interleaved_layouts_put_two_stages_on_each_rank_and_halve_the_bubble():
     slow = predict(costs(bl), Layout(2, (2, 2, 2, 2), 4, "interleaved", per_rank=2), 64, SLOW, overhead_ms=0.0)
     half = sum(b.param_bytes for b in bl) / 2
     assert slow.allreduce_bytes == pytest.approx(2 * (2 - 1) / 2 * half)
+
+
+def test_an_interleaved_layouts_cut_balances_the_ranks_sums_not_only_the_stages():
+    from pipedp.decide.layout import rank_balanced_cut
+    from pipedp.partition.profile import BlockProfile
+
+    blocks = [BlockProfile(f"b{i}", float(c), 0.0, 1, 1, 1) for i, c in enumerate([5, 1, 3, 1, 4, 4])]
+    # Stages 0 and 2 on rank 0: the bottleneck-optimal cut [1, 2, 2, 1] (stages 5 4 5 4) loads rank 0 with 10.
+    assert rank_balanced_cut(blocks, (1, 2, 2, 1), [0, 1, 0, 1]) == (1, 3, 1, 1)  # 9 and 9
+    assert rank_balanced_cut(blocks, (1, 3, 1, 1), [0, 1, 0, 1]) == (1, 3, 1, 1)

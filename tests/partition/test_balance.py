@@ -84,3 +84,42 @@ def test_stage_costs_checks_counts():
     assert stage_costs([1, 2, 3], [1, 2], transfer=[5, 7]) == [6, 5]
     with pytest.raises(ValueError, match="sum to 3"):
         stage_costs([1, 2, 3], [1, 1])
+
+
+def _rank_sums(costs, ranks):
+    """A stand-in step: the busiest rank's load where stage s runs on rank s mod ``ranks`` (interleaved)."""
+    def step(counts):
+        sums = stage_costs(costs, counts)
+        return max(sum(sums[s] for s in range(r, len(sums), ranks)) for r in range(ranks))
+    return step
+
+
+def test_refine_never_returns_a_slower_cut_and_stops_where_no_move_helps():
+    from pipedp.partition.balance import refine
+
+    for costs, stages, _ in random_cases(60, seed=5, with_transfer=False):
+        if stages < 2:
+            continue
+        step = _rank_sums(costs, 2)
+        start = balance(costs, stages)
+        out = refine(start, step)
+        assert sum(out) == len(costs) and min(out) >= 1 and step(out) <= step(start)
+        for i in range(len(out) - 1):  # a local optimum: no single move of one cut point is faster
+            for d in (-1, 1):
+                c = list(out)
+                c[i], c[i + 1] = c[i] + d, c[i + 1] - d
+                if min(c) >= 1:
+                    assert step(c) >= step(out) * (1 - 1e-9)
+
+
+def test_refine_moves_a_bottleneck_optimal_cut_that_loads_one_rank():
+    from pipedp.partition.balance import refine
+
+    # Four stages over two ranks (0 and 2 on rank 0): min-max balances the stages, not the ranks' sums.
+    costs = [5, 1, 3, 1, 4, 4]
+    step = _rank_sums(costs, 2)
+    start = balance(costs, 4)
+    assert start == [1, 2, 2, 1] and step(start) == 10  # stages 5, 4, 5, 4: ranks 10 and 8
+    assert refine(start, step) == [1, 3, 1, 1]  # stages 5, 5, 4, 4: ranks 9 and 9
+    with pytest.raises(ValueError, match="positive block counts"):
+        refine([0, 8], step)
