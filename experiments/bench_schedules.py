@@ -39,13 +39,21 @@ from .report import write_json
 CPU = torch.device("cpu")
 
 
-def _engine(model: nn.Module, schedule: str, args: argparse.Namespace, sample: torch.Tensor) -> pipedp.Engine:
+def row(name: str) -> tuple[str, list[int] | None]:
+    """A row's schedule and its given cut: ``interleaved@7-4-5-7`` runs that cut, ``interleaved`` the plan's."""
+    schedule, _, cut = name.partition("@")
+    return schedule, [int(k) for k in cut.split("-")] if cut else None
+
+
+def _engine(model: nn.Module, name: str, args: argparse.Namespace, sample: torch.Tensor) -> pipedp.Engine:
     ranks = dist.get_world_size()
+    schedule, cut = row(name)
     if schedule == "dp":
         layout = dict(pp=1, stages=1, microbatches=1)
     else:
         per_rank = args.per_rank if schedule in PER_RANK else 1
-        layout = dict(pp=ranks, stages=per_rank * ranks, microbatches=args.microbatches, schedule=schedule)
+        layout = dict(pp=ranks, stages=cut if cut is not None else per_rank * ranks, microbatches=args.microbatches,
+                      schedule=schedule)
     return pipedp.wrap(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
                        loss_fn=nn.CrossEntropyLoss(), sample=sample, progress=False, plan_cache=False,
                        measure_steps=args.rounds * args.steps, **layout)
@@ -89,7 +97,7 @@ def measure(name: str, args: argparse.Namespace) -> dict:
     first = next(iter(engines))
     ms = {k: statistics.median(v) for k, v in windows.items()}
     pipes = [k for k in engines if k != "dp"]
-    predicted = {k: _predicted(engines[k], k, args.microbatches) for k in pipes}
+    predicted = {k: _predicted(engines[k], row(k)[0], args.microbatches) for k in pipes}
     return {"model": name, "global_batch": args.batch, "microbatches": args.microbatches,
             "counts": {k: list(engines[k].plan.counts) for k in engines},
             "ms": ms, "windows_ms": windows,
@@ -104,7 +112,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="resnet18")
     p.add_argument("--schedules", default="1f1b,zb-h1,interleaved,gpipe,dp",
-                   help="comma list; ratios against the first (dp: data parallelism over the same ranks)")
+                   help="comma list; ratios against the first (dp: data parallelism over the same ranks; "
+                        "schedule@7-4-5-7: that schedule on that cut of blocks)")
     p.add_argument("--per-rank", type=int, default=2, help="stages per rank of an interleaved pipeline")
     p.add_argument("--batch", type=int, default=64, help="global batch per step")
     p.add_argument("--microbatches", type=int, default=4)

@@ -29,3 +29,10 @@ def test_each_schedule_is_timed_against_the_first_and_predicted():
     assert all(0 <= v < 1 for v in r["measured_idle"].values())
     assert "I0" in r["program"]["zb-h1"] and "I0" not in r["program"]["1f1b"]
     assert r["program"]["interleaved"].startswith("rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 2RECV_F0 2F0")
+
+
+def test_a_row_may_name_its_cut():
+    from experiments.bench_schedules import row
+
+    assert row("interleaved@7-4-5-7") == ("interleaved", [7, 4, 5, 7])
+    assert row("1f1b") == ("1f1b", None) and row("dp") == ("dp", None)
