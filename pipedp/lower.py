@@ -24,7 +24,7 @@ from .pipeline.cpu_lane import core_sets
 from .pipeline.executor import Executor
 from .pipeline.p2p import Transport
 from .pipeline.recompute import Recompute
-from .pipeline.orders import per_stage, rank_orders, split_backwards
+from .pipeline.orders import join_backwards, per_stage, rank_orders, split_backwards
 from .pipeline.stage import Stage
 from .pipeline.stream import new_lane
 
@@ -108,8 +108,9 @@ def make_executor(parts: Parts, decision: Decision, comm: Communicator, *,
     commits = commit_stages(groups, levers.batchnorm)
     duration = action_durations(*stage_times(profiles, counts)) if profiles is not None else None
     orders = rank_orders(decision.schedule, len(counts), decision.microbatches, comm.pp, duration=duration)
-    if levers.split_grads:
-        orders = split_backwards(orders)
+    # split_grads: every backward as I then W (W on the stage's side lane); else an I and W with nothing between
+    # them run as the backward they make.
+    orders = split_backwards(orders) if levers.split_grads else join_backwards(orders)
     per = per_stage(orders, len(counts))
     mine = [d for r, d in places if r == comm.pp_rank]
     transport = comm.transport(mine[0], step)

@@ -5,7 +5,7 @@ import pytest
 from pipedp.pipeline.interleaved import interleaved
 from pipedp.pipeline.orders import NAMES, check_schedule, per_stage, placement, rank_orders, simulate_schedule
 from pipedp.pipeline.ranks import check_programs, lower_programs
-from pipedp.pipeline.schedule import SCHEDULES, get_schedule
+from pipedp.pipeline.schedule import SCHEDULES, Action, get_schedule
 from pipedp.pipeline.simulate import simulate
 
 
@@ -49,3 +49,17 @@ def test_an_interleaved_step_is_timed_by_rank_a_per_stage_one_by_stage():
     assert plain.lanes == 0 and plain.makespan == 3 * (4 + 4 - 1)
     half = simulate_schedule("interleaved", 4, 4, 2, duration=lambda s, a: 0.5 if a.kind == "F" else 1.0)
     assert half.makespan < simulate_schedule("1f1b", 2, 4).makespan  # the same work as 1F1B's two stages
+
+
+def test_an_i_directly_followed_by_its_w_runs_as_b_where_no_message_comes_between():
+    from pipedp.pipeline.orders import join_backwards
+
+    I, W, F, B = (lambda i, k=k: Action(k, i) for k in "IWFB")
+    orders = [[(0, F(0)), (0, I(0)), (0, W(0)), (0, I(1)), (0, F(1)), (0, W(1))],  # stage 0: no gradient to send
+              [(1, F(0)), (1, I(0)), (1, W(0))]]  # stage 1's I sends its gradient to rank 0 first
+    assert join_backwards(orders) == [[(0, F(0)), (0, B(0)), (0, I(1)), (0, F(1)), (0, W(1))],
+                                      [(1, F(0)), (1, I(0)), (1, W(0))]]
+    # Two stages on one rank: the second's gradient stays on the rank, so its I and W join too.
+    local = [[(0, F(0)), (1, F(0)), (1, I(0)), (1, W(0)), (0, I(0)), (0, W(0))]]
+    assert join_backwards(local) == [[(0, F(0)), (1, F(0)), (1, B(0)), (0, B(0))]]
+    assert join_backwards(rank_orders("1f1b", 2, 3, 2)) == rank_orders("1f1b", 2, 3, 2)  # nothing split
