@@ -108,9 +108,10 @@ def make_executor(parts: Parts, decision: Decision, comm: Communicator, *,
     commits = commit_stages(groups, levers.batchnorm)
     duration = action_durations(*stage_times(profiles, counts)) if profiles is not None else None
     orders = rank_orders(decision.schedule, len(counts), decision.microbatches, comm.pp, duration=duration)
-    # split_grads: every backward as I then W (W on the stage's side lane); else an I and W with nothing between
-    # them run as the backward they make.
-    orders = split_backwards(orders) if levers.split_grads else join_backwards(orders)
+    # split_grads: every backward as I then W (W on the stage's side lane); else an I and W that nothing comes
+    # between run as the backward they make (not where the stage before runs at once on a stream of its own).
+    orders = split_backwards(orders) if levers.split_grads else \
+        join_backwards(orders, lambda a, b: places[a][1].type == "cuda")
     per = per_stage(orders, len(counts))
     mine = [d for r, d in places if r == comm.pp_rank]
     transport = comm.transport(mine[0], step)

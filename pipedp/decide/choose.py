@@ -109,7 +109,8 @@ def _space(parts: Parts, profiles: Sequence[BlockProfile], model: nn.Module, dev
         stages=tuple(range(1, MAX_TRIAL_STAGES + 1)) if device.type == "cuda" and len(costs) > 1 else (1,),
         microbatches=tuple(choices),
         layouts=(False,) if hazard else allowed(training.channels_last),
-        # The concurrency pieces swap layers that torch.compile does not trace: never compiled with them.
+        # The concurrency pieces order streams by events inside a stage, which torch.compile does not trace (and a
+        # compiled stage keeps its weight gradients in its compiled backward): never compiled with them.
         compile=(False,) if pieces and training.compile == "auto" else allowed(training.compile),
         concurrent=pieces and device.type == "cuda",
         kernels=kernels,

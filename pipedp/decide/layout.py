@@ -282,13 +282,14 @@ def rank_balanced_cut(blocks: Sequence[BlockProfile], counts: Sequence[int], ran
     one cut point can give: where a rank runs several stages, their sum sets its share of the step."""
     costs = [b.cost_ms for b in blocks]
 
-    def busiest(c: Sequence[int]) -> float:
+    def loads(c: Sequence[int]) -> list[float]:
         load: dict[int, float] = {}
         for r, ms in zip(ranks, stage_costs(costs, c)):
             load[r] = load.get(r, 0.0) + ms
-        return max(load.values())
+        return sorted(load.values(), reverse=True)
 
-    return tuple(refine(counts, busiest))
+    # The busiest rank's load, ties broken by the next busiest (a move that relieves one of two tied ranks counts).
+    return tuple(refine(counts, loads))
 
 
 def hop_aware_cut(blocks: Sequence[BlockProfile], pp: int, hop: Link, scale: float) -> tuple[int, ...]:

@@ -109,8 +109,11 @@ def balance(
     return counts
 
 
-def refine(counts: Sequence[int], step_ms: Callable[[Sequence[int]], float]) -> list[int]:
+def refine(counts: Sequence[int], step_ms: Callable[[Sequence[int]], float | Sequence[float]]) -> list[int]:
     """``counts`` with one cut point at a time moved by one block while ``step_ms`` of the cut gets shorter.
+
+    ``step_ms`` may give several figures, compared in order (the busiest
+    rank's load, then the next one's: a tie at the top is still broken).
 
     Where a rank holds several stages (interleaved), the slowest stage does
     not set the step: each rank's sum and the flow between its stages do, so
@@ -122,7 +125,7 @@ def refine(counts: Sequence[int], step_ms: Callable[[Sequence[int]], float]) -> 
     best = [int(k) for k in counts]
     if any(k < 1 for k in best):
         raise ValueError(f"counts must be positive block counts, got {list(counts)}")
-    best_ms = step_ms(best)
+    best_ms = _figures(step_ms(best))
     improved = True
     while improved:
         improved = False
@@ -132,7 +135,21 @@ def refine(counts: Sequence[int], step_ms: Callable[[Sequence[int]], float]) -> 
                 cand[i], cand[i + 1] = cand[i] + d, cand[i + 1] - d
                 if min(cand) < 1:
                     continue
-                ms = step_ms(cand)
-                if ms < best_ms * (1 - 1e-9):
+                ms = _figures(step_ms(cand))
+                if _shorter(ms, best_ms):
                     best, best_ms, improved = cand, ms, True
     return best
+
+
+def _figures(value: float | Sequence[float]) -> tuple[float, ...]:
+    return (float(value),) if isinstance(value, (int, float)) else tuple(float(v) for v in value)
+
+
+def _shorter(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
+    """``a`` before ``b`` in order, each figure equal within a relative 1e-9 passing to the next."""
+    for x, y in zip(a, b):
+        if x < y * (1 - 1e-9):
+            return True
+        if x > y * (1 + 1e-9):
+            return False
+    return False

@@ -229,18 +229,25 @@ class StepRun:
     def weight_grads(self, op: Op) -> None:
         """W: the weight gradients microbatch ``i``'s I held back on stage ``s``, accumulated now.
 
-        On a side lane (``split_grads``) W starts once the stage's lane has
-        issued its I, and the tensors it reads stay alive until the side lane
-        has read them; the stage's lane goes on with its next action.
+        On a side lane (``split_grads``) W starts once the stage's lane (and
+        its other side lanes: a shortcut's) has issued its I, and the tensors
+        it reads stay alive until the side lane has read them; the stage's
+        lane goes on with its next action. A stage's last W arms the gradient
+        sync: the buckets of the weights it accumulates launch as they fill.
         """
         s, i = op.stage, op.microbatch
         lane, own = self.ex.lanes.of(op), self.ex.local[s].lane
         held = self.held.pop((s, i), [])
         if lane is not own:
             lane.wait(own.record())
+            for other in self.ex.lanes.of_stage(s):
+                if other is not lane:
+                    lane.wait(other.record())
             for h in held:
                 for t in h.reads:
                     lane.keep(t)
+        if self.sync is not None and self.last.get(s) == i:
+            self.sync.arm(self.ex.pos[s])
         if self.timer is not None:
             self.timer.begin(lane)
         sync = self.sync

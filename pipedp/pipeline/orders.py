@@ -76,9 +76,12 @@ def split_backwards(orders: Sequence[Program]) -> list[Program]:
                                           if a.kind == "B" else [(s, a)])] for prog in orders]
 
 
-def join_backwards(orders: Sequence[Program]) -> list[Program]:
-    """``orders`` with each I directly followed by its own W given back as one B, where no message comes between
-    them: the stage is the first, or the stage before it runs on the same rank.
+def join_backwards(orders: Sequence[Program], concurrent: Callable[[int, int], bool] = lambda a, b: False
+                   ) -> list[Program]:
+    """``orders`` with each I directly followed by its own W given back as one B, where nothing waits for the I
+    alone: the stage is the first, or the stage before it runs on the same rank and not at once with it
+    (``concurrent(a, b)``: stages a and b run side by side, on CUDA streams of their own; there the stage
+    before would wait for W too).
 
     A zero-bubble order leaves I and W adjacent where it has nothing to run
     between them (the first stage, which sends no gradient back, in most of
@@ -96,7 +99,7 @@ def join_backwards(orders: Sequence[Program]) -> list[Program]:
         while k < len(prog):
             s, a = prog[k]
             if (a.kind == "I" and k + 1 < len(prog) and prog[k + 1] == (s, Action("W", a.microbatch))
-                    and (s == 0 or rank_of.get(s - 1) == r)):
+                    and (s == 0 or (rank_of.get(s - 1) == r and not concurrent(s - 1, s)))):
                 joined.append((s, Action("B", a.microbatch)))
                 k += 2
                 continue

@@ -166,6 +166,8 @@ class Deferred(TorchFunctionMode):
         kind = self.anchor.device.type
         if not torch.is_autocast_enabled(kind) or not (x.is_floating_point() and weight.is_floating_point()):
             return None
+        if torch.float64 in (x.dtype, weight.dtype):  # autocast leaves double precision alone
+            return None
         return torch.get_autocast_dtype(kind)
 
     def _held(self, func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:

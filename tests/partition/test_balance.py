@@ -123,3 +123,12 @@ def test_refine_moves_a_bottleneck_optimal_cut_that_loads_one_rank():
     assert refine(start, step) == [1, 3, 1, 1]  # stages 5, 5, 4, 4: ranks 9 and 9
     with pytest.raises(ValueError, match="positive block counts"):
         refine([0, 8], step)
+
+
+def test_refine_breaks_a_tie_at_the_top_by_the_next_figure():
+    from pipedp.partition.balance import refine
+
+    # Figures (the busiest load, the next): a move that keeps the top and lowers the next is taken.
+    table = {(2, 2, 2): (5.0, 5.0, 1.0), (3, 1, 2): (5.0, 4.0, 2.0), (2, 3, 1): (6.0, 1.0, 1.0)}
+    assert refine([2, 2, 2], lambda c: table.get(tuple(c), (9.0, 9.0, 9.0))) == [3, 1, 2]
+    assert refine([2, 2, 2], lambda c: table.get(tuple(c), (9.0,))[0]) == [2, 2, 2]  # one figure: a tie stays

@@ -62,3 +62,28 @@ def test_the_sync_arms_before_a_stages_last_backward_and_finishes_at_its_reduce(
              sync=Log(log), update=Log(log))
     assert log == ["backward 1", "backward 0", "arm 1", "backward 1", "finish 1", "update 1",
                    "arm 0", "backward 0", "finish 0", "update 0", "join"]
+
+
+def test_a_stages_last_w_arms_the_sync_before_it_accumulates_and_its_reduce_finishes():
+    # Zero bubble and split_grads end a stage's step with a W: arming there lets the buckets of the weights it
+    # accumulates launch as they fill, not all at REDUCE_GRAD.
+    from pipedp.pipeline.orders import split_backwards
+
+    log = []
+
+    class Heard(Log):
+        def accumulated(self, p):
+            self.log.append(f"accumulated {tuple(p.shape)}")
+
+    layers = [nn.Linear(4, 4), nn.Linear(4, 3)]
+    stages = [Stage(k, Chain([Block(str(k), layers[k])]), CPU, new_lane(CPU, f"s{k}")) for k in range(2)]
+    orders = split_backwards(rank_orders("1f1b", 2, 2))
+    ex = Executor(stages, per_stage(orders, 2), orders=orders)
+    x, y = torch.randn(4, 4), torch.randn(4, 3)
+    ex.train(list(x.split(2)), list(y.split(2)), [0.5, 0.5], lambda o, t: (o - t).pow(2).mean(), sync=Heard(log))
+    for stage, shape in ((1, (3, 4)), (0, (4, 4))):
+        arm = log.index(f"arm {stage}")
+        # armed once, at the last W, before its weight and bias are announced; finished after them
+        assert log.count(f"arm {stage}") == 1
+        assert log[arm + 1:arm + 3] == [f"accumulated {shape}", f"accumulated {shape[:1]}"]
+        assert log.index(f"finish {stage}") > arm + 2

@@ -62,4 +62,6 @@ def test_an_i_directly_followed_by_its_w_runs_as_b_where_no_message_comes_betwee
     # Two stages on one rank: the second's gradient stays on the rank, so its I and W join too.
     local = [[(0, F(0)), (1, F(0)), (1, I(0)), (1, W(0)), (0, I(0)), (0, W(0))]]
     assert join_backwards(local) == [[(0, F(0)), (1, F(0)), (1, B(0)), (0, B(0))]]
+    # Unless the two stages run at once (CUDA streams): stage 0's backward would wait for stage 1's W too.
+    assert join_backwards(local, lambda a, b: True) == [[(0, F(0)), (1, F(0)), (1, I(0)), (1, W(0)), (0, B(0))]]
     assert join_backwards(rank_orders("1f1b", 2, 3, 2)) == rank_orders("1f1b", 2, 3, 2)  # nothing split
