@@ -116,8 +116,8 @@ def make_executor(parts: Parts, decision: Decision, comm: Communicator, *,
     mine = [d for r, d in places if r == comm.pp_rank]
     transport = comm.transport(mine[0], step)
     stage_rank = comm.stage_ranks([r for r, _ in places])
-    side = levers.split_grads  # each backward as I then W, W on the stage's side lane
+    # split_grads: each stage's W on its side lane.
+    common: dict[str, Any] = dict(duration=duration, orders=orders, commits=commits, side_weights=levers.split_grads)
     if stage_rank is None:
-        return Executor(stages, per, duration=duration, orders=orders, commits=commits, side_weights=side), None
-    return Executor(stages, per, duration=duration, stage_rank=stage_rank, rank=comm.rank,
-                    transport=transport, orders=orders, commits=commits, side_weights=side), transport
+        return Executor(stages, per, **common), None
+    return Executor(stages, per, stage_rank=stage_rank, rank=comm.rank, transport=transport, **common), transport

@@ -152,7 +152,7 @@ def resolve_counts(
         counts = balance(costs, stages, transfer=transfer)
         if schedule not in PER_RANK:
             return counts, []
-        return _refined(profiles, counts, devices, microbatches, schedule, ranks)
+        return _refined(profiles, counts, devices, microbatches, schedule, ranks)[:2]
     try:
         counts = [int(k) for k in stages]  # type: ignore[union-attr]
     except (TypeError, ValueError):
@@ -204,9 +204,8 @@ def _auto_per_rank(profiles: Sequence[BlockProfile], devices: Sequence[torch.dev
     costs = [p.cost_ms for p in profiles]
     best: tuple[float, int, list[int]] | None = None
     for v in range(1, min(MAX_PER_RANK, len(profiles) // ranks) + 1):
-        counts, _ = _refined(profiles, balance(costs, v * ranks, transfer=_transfer_ms(profiles)), devices,
-                             microbatches, schedule, ranks)
-        ms = simulate_plan(profiles, counts, devices, microbatches, schedule, ranks).makespan
+        counts, _, ms = _refined(profiles, balance(costs, v * ranks, transfer=_transfer_ms(profiles)), devices,
+                                 microbatches, schedule, ranks)
         if best is None or ms < best[0] - 1e-9:
             best = (ms, v, counts)
     assert best is not None
@@ -215,16 +214,23 @@ def _auto_per_rank(profiles: Sequence[BlockProfile], devices: Sequence[torch.dev
 
 
 def _refined(profiles: Sequence[BlockProfile], counts: list[int], devices: Sequence[torch.device],
-             microbatches: int, schedule: str, ranks: int) -> tuple[list[int], list[str]]:
-    """A per-rank schedule's cut: the balanced ``counts`` refined on the simulated step (:func:`refine`)."""
+             microbatches: int, schedule: str, ranks: int) -> tuple[list[int], list[str], float]:
+    """A per-rank schedule's cut: the balanced ``counts`` refined on the simulated step (:func:`refine`), its
+    note and its simulated ms (each cut simulated once)."""
+    simulated: dict[tuple[int, ...], float] = {}
+
     def step_ms(c: Sequence[int]) -> float:
-        return simulate_plan(profiles, c, devices, microbatches, schedule, ranks).makespan
+        key = tuple(c)
+        if key not in simulated:
+            simulated[key] = simulate_plan(profiles, c, devices, microbatches, schedule, ranks).makespan
+        return simulated[key]
 
     out = refine(counts, step_ms)
     if out == counts:
-        return out, []
+        return out, [], step_ms(out)
     return out, [f"{schedule}: the balanced cut {counts} moved to {out}, {step_ms(counts):.1f} -> "
-                 f"{step_ms(out):.1f} ms per simulated step (each rank runs several stages: its sum sets the step)"]
+                 f"{step_ms(out):.1f} ms per simulated step (each rank runs several stages: its sum sets the step)"], \
+        step_ms(out)
 
 
 def untimed_microbatches(stages: int, batch: int) -> int:
