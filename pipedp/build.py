@@ -38,12 +38,13 @@ from .decide.layout import Layout
 from .decide.levers import settle
 from .decide.search import Measure
 from .device import canonical_device
-from .lower import in_layout, make_executor, set_layout
+from .lower import in_layout, make_executor, set_layout, whole_model
 from .ops.swap import Swap
 from .options import ConcurrencyOptions, PipelineOptions, TrainingOptions
 from .partition.blocks import Block, CutError, blocks_of
 from .partition.check import check_chain
 from .partition.parts import Parts
+from .partition.reads import BakedReads, baked_reads
 from .partition.profile import BlockProfile
 from .partition.threads import concurrent_times
 from .pipeline import microbatch
@@ -74,6 +75,7 @@ class Pipeline:
     batchnorm: DeferredBatchNorm | None  # "batch", or a BatchNorm used by several stages: deferred updates
     buffers: BufferSnapshot  # to put buffers back after a failed step
     concurrency: Concurrency | None = None  # the concurrency pieces: branches swapped in (undo() puts back)
+    baked: BakedReads | None = None  # what the traced blocks it runs read as constants, checked every step
 
     @property
     def microbatches(self) -> int:
@@ -208,6 +210,7 @@ def lower_pipeline(model: nn.Module, parts: Parts, profiles: Sequence[BlockProfi
         batchnorm=deferred,
         buffers=BufferSnapshot(model),
         concurrency=concurrent,
+        baked=parts.baked if parts.baked and whole_model(parts, decision) is None else None,
     )
 
 
@@ -241,7 +244,7 @@ def _parts(model: nn.Module, sample: torch.Tensor, options: PipelineOptions,
         return whole, []
     try:
         blocks = blocks_of(model, depth=options.depth)
-        return Parts(blocks, check_chain(model, blocks, sample)), []
+        return Parts(blocks, check_chain(model, blocks, sample), whole=model, baked=baked_reads(model, blocks)), []
     except CutError as e:
         if options.stages != "auto" or comm.pp > 1:
             raise

@@ -197,8 +197,11 @@ class Engine:
 
         The gradient buckets are packed again, pipeline ranks send the metadata
         of their boundaries afresh, a captured step is captured again. What
-        cannot be followed raises (:class:`~pipedp.watch.ModelWatch`).
+        cannot be followed raises (:class:`~pipedp.watch.ModelWatch`), and so does
+        a plain attribute that traced blocks baked in (:mod:`pipedp.partition.reads`).
         """
+        if self._pipe is not None and self._pipe.baked is not None:
+            self._pipe.baked.check()
         if not self._watch.changed() or self._pipe is None:
             return
         pipe = self._pipe

@@ -16,7 +16,7 @@ from .comm import Communicator
 from .decide.cut import action_durations, stage_times
 from .decide.decision import Decision
 from .decide.levers import Levers
-from .partition.blocks import Chain
+from .partition.blocks import Block, Chain
 from .partition.parts import Parts, surrogate_loss
 from .partition.profile import BlockProfile
 from .pipeline.batchnorm import commit_stages
@@ -28,7 +28,7 @@ from .pipeline.orders import join_backwards, per_stage, rank_orders, split_backw
 from .pipeline.stage import Stage
 from .pipeline.stream import new_lane
 
-__all__ = ["make_executor", "in_layout", "set_layout", "trial"]
+__all__ = ["make_executor", "whole_model", "in_layout", "set_layout", "trial"]
 
 
 def trial(ex: Executor, parts: Parts, xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor],
@@ -78,6 +78,19 @@ def _dress(stage: Stage, levers: Levers, compile: bool) -> Stage:
     return stage
 
 
+def whole_model(parts: Parts, decision: Decision) -> nn.Module | None:
+    """The user's model where the decision runs it in one stage on one rank, else None (the blocks run).
+
+    Such a plan is the user's step: their own forward runs, reading what it
+    reads at every call, rather than the traced blocks. The concurrency pieces
+    work on the blocks, so a plan with them keeps the blocks.
+    """
+    levers = decision.settled
+    if parts.whole is None or len(decision.counts) != 1 or decision.pp != 1 or levers.branches or levers.split_grads:
+        return None
+    return parts.whole
+
+
 def make_executor(parts: Parts, decision: Decision, comm: Communicator, *,
                   profiles: Sequence[BlockProfile] | None = None, step: int = 0,
                   reuse: Sequence[Stage] | None = None) -> tuple[Executor, Transport | None]:
@@ -94,12 +107,16 @@ def make_executor(parts: Parts, decision: Decision, comm: Communicator, *,
                          f"{len(counts)} and runs in a world of {comm.pp}: settle it for this world first")
     stages, start = list(reuse or []), 0
     pins = core_sets(threads) if threads is not None else [None] * len(counts)
+    whole = whole_model(parts, decision)
     for s, k in enumerate(counts if reuse is None else []):
         r, dev = places[s]
         if r == comm.pp_rank:
-            chain = Chain(list(parts.blocks[start : start + k])).to(dev)
+            chain = Chain([Block("model", whole)] if whole is not None else list(parts.blocks[start : start + k]))
             lane = new_lane(dev, f"stage{s}", threads[s] if threads is not None else None, pins[s])
-            stage = Stage(s, chain, dev, lane, copy_input=parts.copy_input[start])
+            # The user's forward on the user's batch changes it in place as their step does; microbatches are
+            # views sharing one version counter, so they get copies.
+            copy = parts.copy_input[start] and (whole is None or decision.microbatches > 1)
+            stage = Stage(s, chain.to(dev), dev, lane, copy_input=copy)
             stages.append(_dress(stage, levers, decision.compiled))
         start += k
     # Every stage's blocks, on every rank: each rank prints all programs, BN_COMMIT included.

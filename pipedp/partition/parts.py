@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .blocks import Block
+from .reads import BakedReads
 
 __all__ = ["Parts", "OneTensor", "measurable", "surrogate_loss", "tensors_in"]
 
@@ -31,6 +32,9 @@ class Parts:
 
     blocks: list[Block]
     copy_input: list[bool]  # per block: its forward changes its input in place
+    # The user's model itself, which a plan of one stage runs instead of the blocks (None: the blocks are it).
+    whole: nn.Module | None = None
+    baked: BakedReads | None = None  # what the blocks' traced forwards read as constants (None: nothing)
 
     @property
     def trains(self) -> bool:
