@@ -33,7 +33,7 @@ def _loop(args: argparse.Namespace) -> dict[str, object]:
     import torch
     from torch import nn
 
-    from experiments.zoo import torchvision_models
+    from .zoo import torchvision_models
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -69,7 +69,7 @@ def _loop(args: argparse.Namespace) -> dict[str, object]:
 
 
 def _child(args: argparse.Namespace, plain: bool, batch: int) -> dict[str, object]:
-    cmd = [sys.executable, "-m", "experiments.bench_script", "--child", "--arch", args.arch, "--batch", str(batch),
+    cmd = [sys.executable, "-m", __spec__.name, "--child", "--arch", args.arch, "--batch", str(batch),
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
            "--image-size", str(args.image_size), "--plan-cache", args.plan_cache]
     if plain:
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         args.batch = int(args.batch)
         print(json.dumps(_loop(args)))
         return
-    from experiments.machine import describe
+    from .machine import describe
 
     rows = []
     for batch in (int(b) for b in args.batch.split(",")):

@@ -18,6 +18,7 @@ is refused: its copies would drift apart.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
@@ -131,11 +132,13 @@ def build_pipeline(model: nn.Module, batch: torch.Tensor, options: PipelineOptio
     # executor's copy lanes compare and key devices, and ``cuda`` != ``cuda:0``.
     devices = [canonical_device(d) for d in devices]
     first = devices[0]
-    coupled = batch_coupled(model)  # as the user left it: before planning sets modes of its own
     model.to(first)
     if training.channels_last is True:
         set_layout(model, True)
     batch = in_layout(batch, training.channels_last is True)
+    # In the modes the user left (before planning sets its own), in the layout it trains in; one microbatch
+    # asked for needs no answer.
+    coupled = batch_coupled(model, batch) if options.microbatches != 1 else None
     spec = resolve_microbatches(options.microbatches, options.stages, coupled)
     sizes = microbatch.sizes(batch.shape[0], max(microbatch_choices(spec, batch.shape[0]), default=1))
     sample = batch[: sizes[0]].to(first)
@@ -224,9 +227,11 @@ def _fingerprint(model: nn.Module, batch: torch.Tensor, devices: Sequence[torch.
 
 
 def _plan_cache(options: PipelineOptions) -> PlanCache | None:
+    """The cache ``plan_cache`` names; ``~`` is the user's home, as a shell reads it (not a folder named ``~``)."""
     if options.plan_cache is False:
         return None
-    return PlanCache(default_folder() if options.plan_cache is True else options.plan_cache)
+    folder = default_folder() if options.plan_cache is True else os.fspath(options.plan_cache)
+    return PlanCache(os.path.expanduser(folder))
 
 
 def _parts(model: nn.Module, sample: torch.Tensor, options: PipelineOptions,

@@ -24,15 +24,36 @@ from .checks import positive_int, positive_number
 from .defaults import DEFAULT_TIMEOUT_S
 
 __all__ = [
-    "Layout", "resolve_layout", "check_backend", "missing_ranks", "missing_note", "DistributedError",
-    "DEFAULT_TIMEOUT_S", "timed", "use_counts", "let_go", "gather_objects", "broadcast_object", "broadcast_tensors",
-    "barrier", "all_reduce",
+    "Layout", "resolve_layout", "check_backend", "missing_ranks", "missing_note", "DistributedError", "StepMismatch",
+    "behind_note", "DEFAULT_TIMEOUT_S", "timed", "use_counts", "let_go", "gather_objects", "broadcast_object",
+    "broadcast_tensors", "barrier", "all_reduce",
 ]
-
 
 
 class DistributedError(RuntimeError):
     """A collective or point-to-point transfer failed or timed out (a peer died or hung)."""
+
+
+class StepMismatch(DistributedError):
+    """The ranks of a group compared their step numbers and differ: a rank is behind.
+
+    Every rank of the group raises it at the same point, from the same
+    numbers, so no rank is gone and none is waited for.
+    """
+
+
+def behind_note(group: str, steps: Sequence[int], ranks: Sequence[int], me: int) -> str:
+    """The message of a :class:`StepMismatch`: each rank's step (``steps[i]`` of global rank ``ranks[i]``), the
+    ranks behind, why and the fix."""
+    where = ", ".join(f"rank {r} at step {s}" for r, s in sorted(zip(ranks, steps)))
+    late = sorted(r for r, s in zip(ranks, steps) if s < max(steps))
+    return (
+        f"the {group} ranks are not at the same step (this is rank {me}): {where}; rank(s) {late} behind: a step "
+        f"failed there (an exception from train_step caught and gone on from) or was skipped while the others "
+        f"trained it, so the ranks' parameters are from different steps now. Every rank must run every step: "
+        f"restart every rank from the last checkpoint; to skip a bad batch, skip it on every rank alike (decide "
+        f"before train_step, e.g. with an all-reduce of a flag)"
+    )
 
 
 @dataclass(frozen=True)

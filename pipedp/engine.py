@@ -13,7 +13,7 @@ import copy
 import os
 import statistics
 import weakref
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NoReturn, Sequence, SupportsIndex
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,10 @@ from .pipeline.sync_stats import SyncStats
 from .pipeline.trace import Clock
 from .plan import Plan
 from .precision import LossScaler
-from .restore import EngineEntry, apply_run_state, check_checkpoint, check_run_state, undo_on_failure
+from .restore import (
+    EngineEntry, apply_run_state, apply_window, check_checkpoint, check_run_state, held_window, model_identity,
+    undo_on_failure, warn_run_state,
+)
 from .snapshot import forked_rng, rng_state
 from .step import LossFn, StepRunner, loss_reduction
 from .update import GradientStep
@@ -53,7 +56,23 @@ from .trials.world import choose_layout
 
 __all__ = ["Engine"]
 
-CHECKPOINT_FORMAT = 2
+CHECKPOINT_FORMAT = 3  # 3: the model a run state was saved for, an accumulation window's gradients
+
+
+# A copy would share the original's stages, streams and hooks on the one model, or half-copy them.
+_NOT_COPIED = (
+    "an Engine cannot be copied or pickled: it holds the built pipeline (stages, streams, worker threads and "
+    "the hooks it put on the model). To keep training for later, save engine.state_dict() (or engine.save(path)) "
+    "and load it into a new engine that wraps the same kind of model; to train a copy, copy.deepcopy(engine.module) "
+    "(or the model before wrap) and wrap the copy")
+
+
+def _check_data(call: str, *tensors: torch.Tensor) -> None:
+    """Refuse a batch of meta tensors before anything plans or steps on it (torch's copy error names no fix)."""
+    if any(t.is_meta for t in tensors):
+        raise ValueError(
+            f"{call} got meta tensors (device='meta'): they have a shape but no data to compute on. Pass the "
+            f"batch as real tensors (CPU or GPU); to plan from a shape alone, pass wrap(..., sample=<the shape>)")
 
 
 class Engine:
@@ -124,6 +143,7 @@ class Engine:
         check_rules(opts, topts, self.concurrency_options, self.devices)
         self.scaler = LossScaler() if topts.precision == "fp16" else None  # fp16 loss scaling
         self.steps = 0
+        self._resumed_calls = 0  # a loaded window's calls so far, for the step runner not built yet
         self._pipe: Pipeline | None = None
         self._runner: StepRunner | None = None
         self._plan: Plan | None = None
@@ -227,6 +247,7 @@ class Engine:
                 early = EarlyUpdate(self.optimizer, ex.stages, ex.train_order,
                                     {st.index: ex.lanes.of_stage(st.index) for st in ex.stages})
             self._runner = StepRunner(self.module, pipe, self.optimizer, self.loss_fn, self.comm, grads, early)
+            self._runner.pending, self._resumed_calls = self._resumed_calls, 0  # a window loaded before
         return self._runner
 
     # -- public API -----------------------------------------------------------------------------
@@ -274,7 +295,9 @@ class Engine:
         """One optimizer step on the batch ``(x, y)``; returns the batch's loss (mean or sum), detached.
 
         The loss stays on the device (no host sync); call ``.item()`` when needed.
-        If the step fails, parameters, optimizer state and buffers are as before.
+        If the step fails, parameters, optimizer state and buffers are as before;
+        its gradients are cleared (None), as the step began by clearing the
+        last step's, unless it was inside an accumulation window (below).
         ``return_outputs=True`` returns ``(loss, outputs)``: the model's output
         for the whole batch as ``loss_fn`` received it, detached (for train
         accuracy, say); None on a pipeline rank without the last stage.
@@ -285,11 +308,13 @@ class Engine:
         and ``loss_divisor=N`` divides each batch's loss before its backward
         (the returned loss is not divided). Random draws and BatchNorm
         statistics follow the plain loop's order. A call that fails puts back
-        the gradients the window held.
+        the gradients the window held (None where there were none), also when
+        the update closing the window raised, and the window stays open.
         """
         positive_int("loss_divisor", loss_divisor)
         if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
             raise TypeError(f"train_step takes tensors (x, y), got {type(x).__name__}, {type(y).__name__}")
+        _check_data("train_step", x, y)
         if x.dim() == 0 or y.dim() == 0 or x.shape[0] != y.shape[0]:
             raise ValueError(
                 f"x and y must share the batch dimension 0, got shapes {tuple(x.shape)} and {tuple(y.shape)}"
@@ -341,6 +366,7 @@ class Engine:
         """Forward-only pipelined inference in the module's current mode (see :meth:`eval`)."""
         if not isinstance(x, torch.Tensor) or x.dim() == 0:
             raise TypeError("engine(x) takes a batched tensor")
+        _check_data("engine(x)", x)
         self._follow_changes()
         pipe = self._pipe if self._pipe is not None else self._build(x)
         ex = pipe.executor
@@ -375,8 +401,11 @@ class Engine:
 
         Under torch.distributed this is collective (call it on every rank): the
         pipeline ranks' stages are merged into one full model, and every rank's
-        RNG state is gathered so that each can resume its own stream.
+        RNG state is gathered so that each can resume its own stream. Inside an
+        accumulation window the gradients it holds are saved too (see
+        :meth:`run_state`).
         """
+        self._held_window()  # refused under torch.distributed before any collective
         stages = self._pipe.executor.stages if self._pipe is not None else None
         model, optim = self.comm.model_state(self.module, stages, self.optimizer)
         entry = self.run_state()
@@ -388,38 +417,99 @@ class Engine:
         """What a script that saves the model and optimizer itself must save beside them to resume exactly.
 
         The step count, every rank's RNG states (dropout, augmentation), fp16's
-        loss scale and the plan's decision (to hand back to ``wrap(...,
-        decision=)``): plain data and tensors, loadable with
+        loss scale, the plan's decision (to hand back to ``wrap(...,
+        decision=)``), the model it belongs to (class and a digest of its
+        state dict's names and shapes, checked at load) and, inside an
+        accumulation window (calls with ``update=False`` since the last
+        update), the gradients the window holds by parameter name
+        (``["window"]``), so that a resumed run finishes the window as the
+        uninterrupted one would: plain data and tensors, loadable with
         ``weights_only=True``. :meth:`state_dict` holds it as ``["engine"]``.
-        Collective under torch.distributed (the RNG states are gathered).
+        Collective under torch.distributed (the RNG states are gathered),
+        where a save inside a window is refused: save after the call with
+        ``update=True``.
         """
+        window = self._held_window()
         entry: dict[str, Any] = {"steps": self.steps, "format": CHECKPOINT_FORMAT,
-                                 "rng": self.comm.rng_states(rng_state())}
+                                 "rng": self.comm.rng_states(rng_state()), "model": model_identity(self.module)}
         if self.scaler is not None:
             entry["scaler"] = self.scaler.state_dict()
         if self._pipe is not None:  # the plan trained with, to replay on resume (wrap's decision=)
             entry["decision"] = copy.deepcopy(self._pipe.record)
+        if window is not None:
+            entry["window"] = window
         return entry
+
+    def _window_calls(self) -> int:
+        """Calls with ``update=False`` since the last update (a loaded window's, before the first step)."""
+        return self._runner.pending if self._runner is not None else self._resumed_calls
+
+    def _held_window(self) -> dict[str, Any] | None:
+        """The accumulation window to save (None at a boundary); refused under torch.distributed."""
+        calls = self._window_calls()
+        if calls and self.comm.layout is not None:
+            raise ValueError(
+                f"cannot save inside an accumulation window under torch.distributed: {calls} call(s) with "
+                f"update=False hold gradients since the last update, and each pipeline rank holds only its own "
+                f"stages' (saving them across ranks is not supported yet). Save at the window's boundary, after "
+                f"the call with update=True, or in a single process, where the held gradients are saved")
+        return held_window(self.module, calls)
+
+    def _check_window_here(self, entry: EngineEntry) -> None:
+        """Refuse a saved window this engine could not finish (its next call would fail, the window stuck)."""
+        if entry.window is None:
+            return
+        inside = f"the checkpoint was saved inside an accumulation window ({entry.window.calls} call(s) with " \
+                 f"update=False)"
+        if self.comm.layout is not None:
+            raise ValueError(
+                f"{inside}, and resuming one under torch.distributed is not supported yet. Nothing was loaded; "
+                f"load it in a single process, or use a checkpoint saved at a window's boundary")
+        levers = self._pipe.decision.settled if self._pipe is not None else None
+        if levers is not None and (levers.cuda_graph or levers.early_update):
+            raise ValueError(
+                f"{inside}, and this engine's plan updates on every call (cuda_graph=True or early_update=True). "
+                f"Nothing was loaded; wrap with cuda_graph=False and early_update=False to finish the window")
 
     def load_run_state(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`run_state` saved beside the script's own model and optimizer state.
 
-        The step count, this rank's RNG states and the loss scale; checked
-        first, so a bad value changes nothing.
+        The step count, this rank's RNG states, the loss scale and an
+        accumulation window's gradients; checked first (a run state of another
+        model is refused), and warned about before anything changes, so a bad
+        value, or a warning turned into an error, changes nothing.
         """
-        self._apply_run_state(check_run_state(state, CHECKPOINT_FORMAT))
+        entry = check_run_state(state, CHECKPOINT_FORMAT, self.module)
+        self._check_window_here(entry)
+        self._warn_run_state(entry)
+        self._apply_run_state(entry)
+
+    def _warn_run_state(self, entry: EngineEntry) -> None:
+        warn_run_state(entry, self.comm.rank, self.comm.world,
+                       self._pipe.decision.config if self._pipe is not None else None, stacklevel=4)
 
     def _apply_run_state(self, entry: EngineEntry) -> None:
-        self.steps = apply_run_state(entry, self.comm.rank, self.comm.world, self.scaler,
-                                     self._pipe.decision.config if self._pipe is not None else None)
+        """Apply a checked, warned-about entry: the window first (the one part that can fail: memory)."""
+        calls = apply_window(self.module, entry.window) if entry.window is not None or self._window_calls() \
+            else 0  # a boundary leaves gradients alone unless it ends a window the engine is in
+        self.steps = apply_run_state(entry, self.comm.rank, self.comm.world, self.scaler)
+        if self._runner is not None:
+            self._runner.pending = calls
+        else:
+            self._resumed_calls = calls
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`: model, optimizer, step and this rank's RNG states.
 
         Whole or nothing: the checkpoint is checked against this engine's model
-        and optimizer first, and a failure while applying it puts all back.
+        and optimizer first, what it warns about is warned before anything
+        changes, and a failure while applying it puts all back. A checkpoint
+        saved inside an accumulation window puts the window's gradients back;
+        one saved at a boundary ends any window this engine was in.
         """
         entry = check_checkpoint(state, self.module, self.optimizer, CHECKPOINT_FORMAT)
+        self._check_window_here(entry)
+        self._warn_run_state(entry)
         if self._runner is not None and self._runner.graph is not None:
             # The optimizer gets new state tensors; a captured step would update the old ones.
             self._runner.graph.reset()
@@ -443,6 +533,12 @@ class Engine:
     def load(self, path: str | os.PathLike) -> None:
         """Resume from a file written by :meth:`save` (read as data only: ``weights_only=True``)."""
         self.load_state_dict(checkpoint.load(path, map_location="cpu"))
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        raise TypeError(_NOT_COPIED)  # pickle, copy.copy and torch.save come here
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> NoReturn:
+        raise TypeError(_NOT_COPIED)
 
     def __repr__(self) -> str:
         built = f"{len(self._pipe.executor.stages)} stages" if self._pipe is not None else "not built"

@@ -131,8 +131,8 @@ class PipelineOptions:
     compiles (``compile="auto"``) that would not fit are skipped, with a note.
     ``plan_cache``: reuse the decision made for the same model, input shape,
     options, machine and versions (:mod:`pipedp.decide.cache`): True (the
-    per-user cache, or ``$PIPEDP_PLAN_CACHE``), a folder, or False to plan
-    every time.
+    per-user cache, or ``$PIPEDP_PLAN_CACHE``), a folder (``~`` is the home
+    folder), or False to plan every time.
     """
 
     microbatches: MicrobatchSpec = None

@@ -4,9 +4,17 @@
 the ones that do not, and an optimizer accepts the state of another
 optimizer kind and fails only at its next step. So a checkpoint is first
 checked against the engine it goes into — model keys and shapes, the
-optimizer's kind and parameter counts, the engine entry, every RNG
-state and the fp16 loss scale — and only then applied; if applying still fails, everything it
-touched is put back (:func:`undo_on_failure`).
+optimizer's kind and parameter counts, the engine entry (the model it was
+saved for among them), every RNG state, the fp16 loss scale and the
+gradients of an accumulation window — and only then applied; if applying
+still fails, everything it touched is put back (:func:`undo_on_failure`).
+What a load warns about is warned before anything changes
+(:func:`warn_run_state`), so a warning turned into an error changes nothing.
+
+A save inside an accumulation window (``train_step(..., update=False)``)
+keeps the gradients the window holds, by parameter name, beside the number
+of calls so far (:class:`Window`); a checkpoint without them is at a
+window's boundary, and loading it ends any window the engine was in.
 
 An optimizer state dict names parameters by position only, so state saved
 for another parameter order with the same counts would load and make every
@@ -21,6 +29,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
+import json
 import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
@@ -33,10 +43,19 @@ from .decide.record import RecordError, from_record
 from .precision import LossScaler, check_scaler_state
 from .snapshot import rng_state, set_rng_state
 
-__all__ = ["EngineEntry", "check_checkpoint", "check_run_state", "apply_run_state", "undo_on_failure"]
+__all__ = ["EngineEntry", "Window", "check_checkpoint", "check_run_state", "warn_run_state", "apply_run_state",
+           "model_identity", "held_window", "apply_window", "undo_on_failure"]
 
 _RNG_KEYS = {"torch", "cuda", "python", "numpy"}
 _LIST = 4  # differences named in one message
+
+
+@dataclass(frozen=True)
+class Window:
+    """An accumulation window in progress: the calls with ``update=False`` so far and the gradients they hold."""
+
+    calls: int
+    grads: Mapping[str, torch.Tensor]  # by parameter name; a parameter without a gradient is absent
 
 
 @dataclass(frozen=True)
@@ -47,6 +66,83 @@ class EngineEntry:
     rng: list[dict[str, Any]] | None  # one per rank, by global rank
     scaler: dict[str, Any] | None = None  # fp16 loss scaling's state (None: saved in another precision)
     plan: Config | None = None  # the configuration the saved run trained with (None: saved before a plan)
+    window: Window | None = None  # None: saved at a window's boundary
+
+
+def model_identity(module: nn.Module) -> dict[str, str]:
+    """What a run state names its model by: the class and a digest of the state dict's names and shapes.
+
+    The same entries a checkpoint's model is checked on (:func:`_check_model`),
+    so a run state saved beside a script's own weights can be checked too.
+    """
+    entries = [[k, list(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__]
+               for k, v in module.state_dict().items()]
+    digest = hashlib.sha256(json.dumps(entries, separators=(",", ":")).encode()).hexdigest()[:16]
+    return {"class": type(module).__qualname__, "digest": digest}
+
+
+def _check_identity(saved: Any, module: nn.Module) -> None:
+    if saved is None:  # saved before run states named their model
+        return
+    if not isinstance(saved, Mapping) or not isinstance(saved.get("digest"), str):
+        raise ValueError(f"the checkpoint's engine entry names its model malformed ('model': {saved!r:.80}): it "
+                         f"is damaged or not written by pipedp")
+    mine = model_identity(module)
+    if saved["digest"] != mine["digest"]:
+        raise ValueError(
+            f"the run state was saved by another model than this engine's {mine['class']}: it was saved with a "
+            f"{saved.get('class', 'model')!s:.60} whose parameters and buffers differ in names or shapes (digest "
+            f"{saved['digest']:.16} vs {mine['digest']}). Nothing was loaded; load the run state saved with this "
+            f"model, or leave it out to start its steps and RNG afresh")
+
+
+def held_window(module: nn.Module, calls: int) -> dict[str, Any] | None:
+    """The engine entry's record of a window ``calls`` calls in: each parameter's gradient by name (None: none).
+
+    The tensors are the live ``.grad`` tensors, detached, as a state dict's
+    are the live parameters: save them before the next call.
+    """
+    if calls == 0:
+        return None
+    grads = {n: p.grad.detach() for n, p in module.named_parameters() if p.grad is not None}
+    return {"calls": calls, "grads": grads}
+
+
+def _check_window(raw: Any, module: nn.Module) -> Window | None:
+    if raw is None:
+        return None
+    calls = raw.get("calls") if isinstance(raw, Mapping) else None
+    grads = raw.get("grads") if isinstance(raw, Mapping) else None
+    if not isinstance(calls, int) or isinstance(calls, bool) or calls < 1 or not isinstance(grads, Mapping):
+        raise ValueError("the checkpoint's engine entry holds a malformed accumulation window ('window' needs "
+                         "'calls', a positive count, and 'grads', gradients by parameter name): it is damaged or "
+                         "not written by pipedp. Nothing was loaded")
+    params = dict(module.named_parameters())
+    bad = [f"'{n}'" + (" (no such parameter)" if n not in params else
+                       f" {tuple(g.shape)} vs {tuple(params[n].shape)}" if isinstance(g, torch.Tensor) else
+                       f" ({type(g).__name__})")
+           for n, g in grads.items()
+           if n not in params or not isinstance(g, torch.Tensor) or not g.is_floating_point()
+           or g.shape != params[n].shape]
+    if bad:
+        raise ValueError(
+            f"the checkpoint's held gradients (an accumulation window's, 'window') do not fit this model: "
+            f"{_some(bad)}. Nothing was loaded; load a checkpoint of this model")
+    return Window(calls, dict(grads))
+
+
+def apply_window(module: nn.Module, window: Window | None) -> int:
+    """Put a checked window's gradients on the parameters (the others' ``.grad`` None); returns its call count.
+
+    Every gradient is placed first and assigned after, so a failure (out of
+    memory) assigns none. None: a boundary, every ``.grad`` is cleared.
+    """
+    named = list(module.named_parameters())
+    held = window.grads if window is not None else {}
+    new = [held[n].to(device=p.device, dtype=p.dtype, copy=True) if n in held else None for n, p in named]
+    for (_, p), g in zip(named, new):
+        p.grad = g
+    return window.calls if window is not None else 0
 
 
 def _some(names: list[str]) -> str:
@@ -195,8 +291,8 @@ def check_checkpoint(state: Any, module: nn.Module, optimizer: torch.optim.Optim
             "not an engine checkpoint (needs keys 'model', 'optimizer', 'engine'); "
             "to load plain model weights use engine.module.load_state_dict(...)"
         )
-    checked = check_run_state(state["engine"], newest_format)
     _check_model(module, state["model"])
+    checked = check_run_state(state["engine"], newest_format, module)
     saved_class = state["engine"].get("optimizer_class")
     if saved_class is not None and not isinstance(saved_class, str):
         raise ValueError(f"the checkpoint's engine entry has optimizer_class={saved_class!r:.60}, not a class name")
@@ -205,8 +301,9 @@ def check_checkpoint(state: Any, module: nn.Module, optimizer: torch.optim.Optim
     return checked
 
 
-def check_run_state(entry: Any, newest_format: int) -> EngineEntry:
-    """Check the engine's own entry (``state_dict()["engine"]``, or ``run_state()``); changes nothing."""
+def check_run_state(entry: Any, newest_format: int, module: nn.Module) -> EngineEntry:
+    """Check the engine's own entry (``state_dict()["engine"]``, or ``run_state()``) against ``module``; changes
+    nothing. An entry that names another model is refused (its steps and RNG streams are another run's)."""
     if not isinstance(entry, Mapping):
         raise ValueError(f"the checkpoint's 'engine' entry is a {type(entry).__name__}, not a dict: pass what "
                          f"engine.run_state() or engine.state_dict()['engine'] returned")
@@ -222,32 +319,61 @@ def check_run_state(entry: Any, newest_format: int) -> EngineEntry:
             plan = from_record(entry["decision"])[1].config
         except RecordError as e:
             raise ValueError(f"the checkpoint's engine entry holds a damaged plan decision ('decision'): {e}") from e
+    _check_identity(entry.get("model"), module)
     return EngineEntry(steps=steps, rng=_check_rng(entry.get("rng")), scaler=check_scaler_state(entry.get("scaler")),
-                       plan=plan)
+                       plan=plan, window=_check_window(entry.get("window"), module))
 
 
-def apply_run_state(entry: EngineEntry, rank: int, world: int, scaler: LossScaler | None,
-                    running: Config | None) -> int:
-    """Put a checked entry's RNG states (this rank's) and loss scale back; returns its step count.
+def _plan_names(saved: Config, running: Config) -> tuple[str, str]:
+    """The two plans as a warning names them: their labels, with the cut where the labels alone are equal."""
+    if saved.label != running.label:
+        return saved.label, running.label
+    return (f"{saved.label} (blocks per stage {'+'.join(map(str, saved.counts))})",
+            f"{running.label} (blocks per stage {'+'.join(map(str, running.counts))})")
+
+
+def _cuda_states_apply(rng: Mapping[str, Any]) -> bool:
+    cuda = rng.get("cuda") or []
+    return not cuda or (torch.cuda.is_available() and len(cuda) == torch.cuda.device_count())
+
+
+def warn_run_state(entry: EngineEntry, rank: int, world: int, running: Config | None, stacklevel: int = 3) -> None:
+    """Warn about what a checked entry will not restore as saved; call before anything is applied.
 
     ``running``: the plan the engine runs, warned about when the checkpoint
-    was trained with another.
+    was trained with another. Warned first so that, with warnings turned
+    into errors, the load raises with steps, RNG and loss scale untouched.
     """
-    if entry.rng is not None and len(entry.rng) == world:
-        set_rng_state(entry.rng[rank])
-    if scaler is not None:  # checked; a checkpoint without one starts from the initial scale
-        scaler.load_state_dict(entry.scaler)
     if entry.plan is not None and running is not None and entry.plan != running:
+        saved_name, running_name = _plan_names(entry.plan, running)
         warnings.warn(
-            f"the checkpoint was trained with the plan {entry.plan.label}, this engine runs "
-            f"{running.label}: to resume with the saved plan, pass "
-            f"decision=checkpoint['engine']['decision'] to wrap()", stacklevel=4)
+            f"the checkpoint was trained with the plan {saved_name}, this engine runs {running_name}: to "
+            f"resume with the saved plan, pass decision=checkpoint['engine']['decision'] to wrap()",
+            stacklevel=stacklevel)
     if entry.rng is not None and len(entry.rng) != world:
         warnings.warn(
             f"the checkpoint holds RNG states of {len(entry.rng)} rank(s), this run has {world}: RNG states "
             f"are not restored, so random augmentation/dropout will not continue the saved streams",
-            stacklevel=4,
+            stacklevel=stacklevel,
         )
+    elif entry.rng is not None and not _cuda_states_apply(entry.rng[rank]):
+        cuda = entry.rng[rank]["cuda"]
+        warnings.warn(
+            f"the checkpoint has CUDA RNG states for {len(cuda)} device(s), this process sees "
+            f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}: CUDA RNG not restored",
+            stacklevel=stacklevel)
+
+
+def apply_run_state(entry: EngineEntry, rank: int, world: int, scaler: LossScaler | None) -> int:
+    """Put a checked entry's RNG states (this rank's) and loss scale back; returns its step count.
+
+    Warns nothing: :func:`warn_run_state` said beforehand what is not restored.
+    """
+    if entry.rng is not None and len(entry.rng) == world:
+        mine = entry.rng[rank]
+        set_rng_state(mine if _cuda_states_apply(mine) else {**mine, "cuda": []})
+    if scaler is not None:  # checked; a checkpoint without one starts from the initial scale
+        scaler.load_state_dict(entry.scaler)
     return entry.steps
 
 

@@ -3,9 +3,14 @@
 A step equals plain PyTorch running the same microbatches with gradient
 accumulation (each microbatch's mean loss weighted by its share of the
 batch; a summed loss, ``reduction="sum"``, added as it is) followed by the
-same optimizer step. If anything fails, buffers are
-put back and gradients cleared, so parameters, optimizer state and BatchNorm
-statistics are as before the step; a failure inside ``optimizer.step()``
+same optimizer step. If anything fails, buffers are put back, so
+parameters, optimizer state and BatchNorm statistics are as before the step.
+Gradients: a call inside an accumulation window (after ``update=False``
+calls) puts back copies of what the window held (None where there was
+none), whether its backward or its update failed; a step that opens no
+window cleared the last step's gradients first, as ``optimizer.zero_grad()``
+does, and a failure leaves them None (giving them back would copy every
+gradient on every step). A failure inside ``optimizer.step()``
 itself (which may have updated some parameters, or created state, before
 it raised) is undone from a copy taken just before it where it can still
 fail (:mod:`~pipedp.rollback`).
@@ -30,7 +35,7 @@ from torch import nn
 
 from .build import Pipeline
 from .comm import Communicator
-from .distributed import DistributedError
+from .distributed import DistributedError, StepMismatch
 from .pipeline import microbatch
 from .pipeline.early_update import EarlyUpdate
 from .pipeline.executor import StepTimer
@@ -131,24 +136,31 @@ class StepRunner:
         for part in (self.pipe.sync, self.pipe.transport):
             if part is not None:
                 part.step = index
+        overflow = update and self.grads.scaler is not None  # the step's overflow agreement is still to come
         try:
             # A mean weighs this replica by its share of the global batch; sums are averaged over the replicas
             # plainly, as DDP does.
             if self.pipe.sync is not None and self.reduction == "mean":
                 self.pipe.sync.begin(x.shape[0])
+            if self.pipe.transport is not None:  # the ranks of a pipeline: one batch, one step
+                self.pipe.transport.compare_batch(x, y)
             loss = self._forward_backward(x, y, timer, outputs, divisor)
             if self.pipe.sync is not None:
                 self.pipe.sync.wait()
             loss = self.comm.share_loss(loss, self.pipe.executor.stages[-1].device, index)
+            overflow = False
             apply = self.grads.prepare(index) if update else False
         except DistributedError as e:
             if early_rollback:
                 self._undo_early_updates()
             self.recover(held)
+            if isinstance(e, StepMismatch):  # every rank raised it from the same numbers: none is gone
+                raise
             raise DistributedError(f"{e}{self.comm.failure_note(index)}") from e.__cause__
-        except BaseException:
+        except BaseException as e:
             if early_rollback:
                 self._undo_early_updates()
+            self._drain(e, overflow, index)
             self.recover(held)
             raise
         if not update:  # this batch's statistics count now, as a plain forward's; its gradients wait
@@ -156,7 +168,7 @@ class StepRunner:
                 self.pipe.batchnorm.commit()
             self.pending += 1
             return loss  # type: ignore[return-value]
-        self.pending = 0
+        window, self.pending = self.pending, 0
         clock = timer.clock if timer is not None else None
         devices = self.pipe.executor.lanes.devices
         marks = [(d, clock.mark(current_lane(d))) for d in devices] if clock is not None else []
@@ -172,7 +184,8 @@ class StepRunner:
                 e.add_note("pipedp: this update was not copied beforehand (an update of the same structure had "
                            "gone through), so what optimizer.step() changed before it raised stays; the next "
                            "update is copied again (see pipedp.rollback)")
-            self.recover()
+            self.recover(held)
+            self.pending = window  # the window's gradients are back: a retried call closes it
             raise
         if rollback is not None:
             rollback.succeeded()
@@ -204,6 +217,30 @@ class StepRunner:
         return self.pipe.executor.train(xs, ys, weights, loss_fn, timer, sync=self.pipe.sync,
                                         loss_scale=self.grads.loss_scale, update=self.early, divisor=divisor,
                                         batchnorm=self.pipe.batchnorm)
+
+    def _drain(self, error: BaseException, overflow: bool, index: int) -> None:
+        """Issue what this failed step had still to issue to the data-parallel peers, which go on with it.
+
+        A failure of this rank alone (a bad batch, an error in ``loss_fn``)
+        would leave them waiting in the step's all-reduces, and this rank's
+        next collective would meet theirs (gloo aborts the process on the
+        mismatch). Drained (zeroed buckets, an overflow flag that makes every
+        rank skip the update), they finish the step and the next one finds this
+        rank behind, on every rank (:class:`~pipedp.distributed.StepMismatch`).
+        """
+        if not isinstance(error, Exception) or self.comm.layout is None or self.comm.layout.dp == 1:
+            return  # an interrupt: no waiting for the peers
+        failed = self.pipe.sync.drain() if self.pipe.sync is not None else None
+        if isinstance(failed, (ValueError, StepMismatch)):
+            return  # every rank refused the step at the count: nothing more goes
+        if overflow and failed is None and self.comm.pp == 1 and self.grads.scaler is not None:
+            found = torch.ones((), dtype=torch.float32, device=self.grads.scaler.scale.device)
+            try:
+                self.comm.all_reduce(found, "max", "world", f"agreeing whether step {index}'s gradients overflowed")
+            except DistributedError as e:
+                failed = e
+        if failed is not None:
+            error.add_note(f"pipedp: finishing this step's collectives with the other ranks failed too: {failed}")
 
     def _undo_early_updates(self) -> None:
         """Put back what the stages updated early, once every lane that may still be updating is joined."""

@@ -482,7 +482,7 @@ def test_save_and_load_resume_bit_identically_with_dropout(tmp_path):
     assert torch.equal(a_loss, b_loss)
     assert all(torch.equal(p, q) for p, q in zip(a.module.state_dict().values(), b.module.state_dict().values()))
     entry = torch.load(tmp_path / "ckpt.pt", weights_only=True)["engine"]
-    assert set(entry) == {"steps", "format", "rng", "optimizer_class", "decision"} and entry["optimizer_class"] == "SGD"
+    assert set(entry) == {"steps", "format", "rng", "optimizer_class", "decision", "model"} and entry["optimizer_class"] == "SGD"
 
 
 def test_microbatches_auto_lets_the_plan_choose_them():

@@ -285,6 +285,6 @@ def _withheld_note(chosen: WorldRow, held: Sequence[Prediction], coupled: str | 
     gain = chosen.prediction.step_ms / best.step_ms
     if gain < GAIN_NOTED:
         return []
-    why = f" (a microbatch of '{coupled}' normalises over its own samples: other math)" if coupled else ""
+    why = f" ({coupled})" if coupled else ""
     return [f"{best.layout.label} was predicted {gain:.2f}x as fast as {chosen.layout.label} but not tried: the "
-            f"default keeps one microbatch for exact BatchNorm statistics{why}; microbatches='auto' allows it"]
+            f"default keeps one microbatch for the math of your step{why}; microbatches='auto' allows it"]

@@ -41,8 +41,14 @@ def copy_nodes(graph: torch.fx.Graph, nodes: list[torch.fx.Node], env: dict[torc
         graph.call_function(torch._C._set_grad_enabled, (restore,))
 
 
-def differing(a: torch.fx.Graph, b: torch.fx.Graph) -> set[int] | None:
-    """Positions of the nodes whose arguments differ between two traces of one forward; None if the operations do."""
+def differing(a: torch.fx.Graph, b: torch.fx.Graph,
+              attribute: Callable[[str], object] | None = None) -> set[int] | None:
+    """Positions of the nodes whose arguments differ between two traces of one forward; None if the operations do.
+
+    ``attribute`` reads what a ``get_attr`` target holds: the tensor constants
+    fx makes (``_tensor_constant<n>``) are named anew by each trace, and two
+    of equal value are the same operation.
+    """
     na, nb = list(a.nodes), list(b.nodes)
     if len(na) != len(nb):
         return None
@@ -53,7 +59,10 @@ def differing(a: torch.fx.Graph, b: torch.fx.Graph) -> set[int] | None:
 
     out: set[int] = set()
     for i, (x, y) in enumerate(zip(na, nb)):
-        if (x.op, x.target) != (y.op, y.target) or x.meta.get("grad") != y.meta.get("grad"):
+        same_op = (x.op, x.target) == (y.op, y.target) or (
+            x.op == y.op == "get_attr" and attribute is not None
+            and _same_tensor(attribute(str(x.target)), attribute(str(y.target))))
+        if not same_op or x.meta.get("grad") != y.meta.get("grad"):
             return None
         rx, ry = refs((x.args, x.kwargs)), refs((y.args, y.kwargs))
         if not _same(rx, ry):
@@ -61,6 +70,11 @@ def differing(a: torch.fx.Graph, b: torch.fx.Graph) -> set[int] | None:
                 return None
             out.add(i)
     return out
+
+
+def _same_tensor(a: object, b: object) -> bool:
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+            and a.dtype == b.dtype and a.device == b.device and bool(torch.equal(a, b)))
 
 
 class _Ref(int):

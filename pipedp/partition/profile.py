@@ -4,8 +4,9 @@ Balancing needs each block's cost on the device it will run on, at the
 microbatch size it will see. Profiling runs the chain block by block on a sample
 microbatch (warm-up, then the median of several runs; CUDA events on CUDA, the
 host clock elsewhere). It leaves the model as it found it: buffers (BatchNorm
-statistics), gradients and RNG state are restored, and the backward uses
-``torch.autograd.grad`` so no ``.grad`` is touched.
+statistics), gradients and RNG state are restored, and the backward runs as
+a stage's does (``torch.autograd.backward``, which a reentrant
+``torch.utils.checkpoint`` needs) into gradients set aside and put back.
 """
 
 from __future__ import annotations
@@ -148,8 +149,7 @@ def _profile_block(
         b_ms = 0.0
         outs = [(t, g) for t, g in zip(tensors(out), grad_out) if t.requires_grad]  # type: ignore[arg-type]
         if outs and wrt:
-            b_ms, _ = timer(lambda: torch.autograd.grad([t for t, _ in outs], wrt,  # noqa: B023
-                                                        [g for _, g in outs], allow_unused=True))  # noqa: B023
+            b_ms, _ = timer(lambda: _backward(outs, wrt))  # noqa: B023
         if r >= warmup:
             fwd_ms.append(f_ms)
             bwd_ms.append(b_ms)
@@ -158,6 +158,18 @@ def _profile_block(
         sum(_nbytes(p) for p in mod.parameters()),
     )
     return prof, y
+
+
+def _backward(outs: list[tuple[torch.Tensor, torch.Tensor]], wrt: list[torch.Tensor]) -> None:
+    """Backward of ``outs`` (with their output gradients) into ``wrt``, whose ``.grad`` is left as it was."""
+    kept = [t.grad for t in wrt]
+    for t in wrt:
+        t.grad = None
+    try:
+        torch.autograd.backward([t for t, _ in outs], [g for _, g in outs])
+    finally:
+        for t, g in zip(wrt, kept):
+            t.grad = g
 
 
 # Nominal device throughput for the cost model. Only ratios between blocks on

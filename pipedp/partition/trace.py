@@ -11,6 +11,11 @@ their own Python running at every call):
 * modules whose own forward reads ``self.training`` (drop-path, norm-act
   layers): traced, their train-mode branch would be baked into the graph and
   run in eval mode as well;
+* modules with buffers of their own (a frozen BatchNorm such as
+  torchvision's ``FrozenBatchNorm2d``, which ``timm.layers.freeze_batch_norm_2d``
+  puts in): fx reads a submodule's buffer as a plain tensor and bakes what
+  forward computes from it into constants, which a checkpoint loaded later
+  would not change;
 * what timm registers as not traceable (``timm.layers``' no-trace modules
   and functions), when the model's code has imported timm;
 * children that fx cannot trace (shape-dependent Python, asserts on
@@ -27,6 +32,10 @@ differs.
 
 Inputs after the first that have defaults are held at their defaults
 (``concrete_args``), so a ``forward(x, mask=None)`` traces with one input.
+The root's own buffers are traced as attributes (``get_attr``), not as
+constants; tensor constants fx still makes (a ``torch.tensor`` built in
+forward) are compared by value across the two modes' traces, and taken off
+the user's model again, where fx puts them.
 """
 
 from __future__ import annotations
@@ -77,6 +86,8 @@ def leaf_reason(module: nn.Module, timm_modules: tuple[type, ...] = ()) -> str |
         return "registered with timm as not traceable"
     if "self.training" in _own_source(cls):
         return "its forward depends on train/eval mode"
+    if next(module.buffers(recurse=False), None) is not None:
+        return "it holds buffers (fx would bake what forward computes from them into constants)"
     return None
 
 
@@ -112,6 +123,8 @@ class Traced:
 
 
 class _Tracer(torch.fx.Tracer):
+    proxy_buffer_attributes = True  # the root's buffers as get_attr nodes, read at every run
+
     def __init__(self, whole: Iterable[nn.Module], timm_modules: tuple[type, ...],
                  functions: tuple[Callable[..., object], ...]) -> None:
         super().__init__(autowrap_functions=functions)
@@ -179,6 +192,29 @@ def trace(model: nn.Module) -> Traced:
 
     concrete = _defaults(model) or None
     held = set(concrete or ())
+    before = {m: set(vars(m)) for m in model.modules()}
+    try:
+        graph, other, kept = _both_modes(model, tracer, concrete)
+        for g in (graph, other):
+            _drop_held_inputs(g, held)
+        name = type(model).__name__
+        differs = differing(graph, other, lambda target: _attribute(model, target))
+        if differs is None:
+            raise ModeError(
+                f"{name}.forward runs other operations in eval mode than in train mode (it branches on "
+                f"self.training outside any submodule), so blocks traced in one mode would compute the other "
+                f"wrongly")
+        eval_module = torch.fx.GraphModule(model, other, class_name=name) if differs else None
+        return Traced(torch.fx.GraphModule(model, graph, class_name=name), kept, eval_module, model)
+    finally:  # fx stows the constants it makes on the module it traces: the graph modules hold their own now
+        for m, names in before.items():
+            for k in set(vars(m)) - names:
+                del m.__dict__[k]
+
+
+def _both_modes(model: nn.Module, tracer: Callable[[Iterable[nn.Module]], _Tracer],
+                concrete: dict[str, object] | None) -> tuple[torch.fx.Graph, torch.fx.Graph, dict[str, str]]:
+    """The train-mode and eval-mode graphs and the modules kept whole; every module's mode put back after."""
     flags = [(m, m.training) for m in model.modules()]
     try:
         with torch.enable_grad():
@@ -201,16 +237,15 @@ def trace(model: nn.Module) -> Traced:
     finally:
         for m, mode in flags:
             m.training = mode
-    for g in (graph, other):
-        _drop_held_inputs(g, held)
-    name = type(model).__name__
-    differs = differing(graph, other)
-    if differs is None:
-        raise ModeError(
-            f"{name}.forward runs other operations in eval mode than in train mode (it branches on self.training "
-            f"outside any submodule), so blocks traced in one mode would compute the other wrongly")
-    eval_module = torch.fx.GraphModule(model, other, class_name=name) if differs else None
-    return Traced(torch.fx.GraphModule(model, graph, class_name=name), t.kept, eval_module, model)
+    return graph, other, t.kept
+
+
+def _attribute(model: nn.Module, target: str) -> object:
+    """What a ``get_attr`` node of ``model``'s trace reads (None where there is no such attribute)."""
+    value: object = model
+    for part in target.split("."):
+        value = getattr(value, part, None)
+    return value
 
 
 def _drop_held_inputs(graph: torch.fx.Graph, held: set[str]) -> None:

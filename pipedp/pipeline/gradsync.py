@@ -33,9 +33,11 @@ the count, which its peers sent when they began the step.
 The buckets hold what trains *now*: when a layer is frozen or unfrozen, or a
 parameter changes dtype or shape, after wrap, :meth:`GradSync.refresh` packs
 them again (the engine notices at the start of a step). The count carries a
-stamp of that layout, so on the CPU a rank whose layout differs from its
-peers' (a change made on some ranks only) fails the step on every rank before
-any bucket travels; on CUDA the stamp is not read (that would be a host sync).
+stamp of that layout and the step number, so on the CPU a rank whose layout
+differs from its peers' (a change made on some ranks only), or a rank behind
+(a step that failed there while its peers trained it, drained by
+:meth:`GradSync.drain`), fails the step on every rank before any bucket
+travels; on CUDA the stamp is not read (that would be a host sync).
 
 With ``reduce_dtype`` (bf16/fp16) the bucket travels in that dtype: half the bytes,
 at the cost of rounding each rank's contribution to 8 (bf16) or 11 (fp16)
@@ -69,7 +71,7 @@ from torch import nn
 
 from ..defaults import DEFAULT_BUCKET_BYTES
 from ..device import canonical_device
-from ..distributed import DistributedError
+from ..distributed import DistributedError, StepMismatch, behind_note, gather_objects
 from .buckets import FIRST_BUCKET_BYTES, Bucket, layout_stamp, pack, same_stamp
 from .stream import Lane, current_lane, new_lane
 from .sync_stats import SyncStats, union_ms
@@ -78,6 +80,7 @@ from .trace import Clock
 __all__ = ["GradSync", "DEFAULT_BUCKET_BYTES"]
 
 _COUNT = "the all-reduce of the local batch sizes"
+_STEP_BITS = 16  # the step travels mod 2**16 with its square, summed exactly in float64 as the stamp (buckets.py)
 
 
 class GradSync:
@@ -151,7 +154,7 @@ class GradSync:
             elif self.lanes[s].device != canonical_device(dev):  # a stage that had nothing to average before
                 self.lanes[s] = new_lane(dev, f"gradsync{s}")
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulated) for b in self.buckets for p in b.params]
-        stamp = layout_stamp(stage_params)
+        stamp = layout_stamp(stage_params) + [0.0, 0.0]  # and the step with its square (begin)
         self._counts, self._stamps = {}, {}
         for dev in dict.fromkeys(b.flat.device for b in self.buckets):
             self._counts[dev] = torch.zeros(len(stamp), dtype=torch.float64, device=dev)
@@ -223,9 +226,12 @@ class GradSync:
         if isinstance(local_batch, bool) or not isinstance(local_batch, int) or local_batch < 1:
             raise ValueError(f"the local batch size must be a positive int, got {local_batch!r}")
         self._local = local_batch
+        step = self.step % (1 << _STEP_BITS)
         for dev, count in self._counts.items():
             count.copy_(self._stamps[dev])  # on the current stream: no host sync
             count[0].fill_(local_batch)
+            count[-2].fill_(step)
+            count[-1].fill_(step * step)
             try:
                 self._count_work[dev] = dist.all_reduce(count, group=self.group, async_op=True)
             except RuntimeError as e:
@@ -247,7 +253,11 @@ class GradSync:
             except RuntimeError as e:
                 raise DistributedError(self._failure("waiting for", e, _COUNT)) from e
             total, *stamp = self._counts[dev].tolist()
-            if not same_stamp(stamp, self.size):
+            if not same_stamp(stamp[-2:], self.size):  # every rank sees these sums: all raise here, none is gone
+                steps = gather_objects(self.step, self.group, self.timeout)
+                raise StepMismatch(behind_note("data-parallel", steps, dist.get_process_group_ranks(self.group),
+                                               dist.get_rank()))
+            if not same_stamp(stamp[:-2], self.size):
                 raise ValueError(self._mismatch())
             factor = self._local * self.size / total
             weight = None if factor == 1.0 else factor
@@ -376,6 +386,28 @@ class GradSync:
             self._wait_work(b)
         self._wait_done = time.perf_counter()
         self.step += 1
+
+    def drain(self) -> BaseException | None:
+        """After a step that failed on this rank alone: launch its buckets still to go, zeroed, and wait for all.
+
+        The peers go on with the step, and each of their all-reduces needs this
+        rank's; left without, a later collective of this rank would meet theirs
+        instead (gloo aborts the process on the size mismatch). Drained, the
+        peers finish the step and the next step's count finds this rank behind
+        (:class:`~pipedp.distributed.StepMismatch` on every rank). Where every
+        rank refused the step at the count, no bucket goes. Returns the error
+        that ended the drain (a peer gone), if any.
+        """
+        try:
+            for b in self.buckets:
+                if b.work is None:
+                    b.flat.zero_()
+                    b.attached, b.scaled = [True] * len(b.params), [True] * len(b.params)
+                    self._launch(b)
+            self.wait()
+        except (ValueError, DistributedError) as e:
+            return e
+        return None
 
     def stats(self) -> SyncStats:
         """The last waited step's sync timing (on CUDA this synchronises its events)."""

@@ -11,6 +11,12 @@ message per tensor (how many tensors the boundary passes, shape, dtype,
 requires_grad) goes first; both sides key that cache on the same values, so
 they agree on when it is sent. Gradients need none: they have the shapes of
 the activation tensors the receiver sent that require grad.
+
+Before a training step's first message the ranks of the pipeline compare
+their batches (:meth:`Transport.compare_batch`, :mod:`.feeding`): the
+comparison is gathered in the background from the step's start, and the
+step's first send or receive waits for it and refuses a mismatch first, on
+every rank alike, so no message of a refused step is on its way.
 """
 
 from __future__ import annotations
@@ -22,8 +28,9 @@ from typing import Any, Hashable
 import torch
 import torch.distributed as dist
 
-from ..distributed import DistributedError
+from ..distributed import DistributedError, let_go, use_counts
 from ..partition.boundary import Value, tensors
+from . import feeding
 
 __all__ = ["Transport"]
 
@@ -44,6 +51,7 @@ class Transport:
         self._sent_meta: set[Hashable] = set()
         self._meta: dict[Hashable, tuple[bool, list[_Meta]]] = {}  # (a tuple?, per tensor)
         self._posted: dict[int, deque[tuple[Hashable, list[torch.Tensor], list[Any]]]] = {}  # per peer, in order
+        self._batch: tuple[Any, list[torch.Tensor], list[tuple[int, int]]] | None = None  # the headers in flight
 
     def _fail(self, what: str, peer: int, cause: BaseException) -> DistributedError:
         return DistributedError(
@@ -52,7 +60,50 @@ class Transport:
             f"schedule. Check its log, then restart from the last checkpoint. Cause: {cause}"
         )
 
+    def compare_batch(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Start gathering every pipeline rank's header of this step's batch (:func:`.feeding.header`).
+
+        Collective over the pipeline ranks, at the start of a training step.
+        The step's first message waits for it (hidden behind the first
+        forward on the first stage's rank; the others wait for that forward
+        anyway) and refuses a mismatch: every rank raises the same error there.
+        """
+        mine = feeding.header(x, y, self.step).to(self.device)
+        parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
+        held = [*parts, mine]
+        before = use_counts([t for t in held if not t.is_cuda])
+        try:
+            work = dist.all_gather(parts, mine, group=self.group, async_op=True)
+        except RuntimeError as e:
+            raise DistributedError(self._compare_failed(e)) from e
+        self._batch = (work, held, before)
+
+    def _compare(self) -> None:
+        """Wait for the batch headers begun by :meth:`compare_batch`, if any, and refuse a mismatch."""
+        if self._batch is None:
+            return
+        (work, held, before), self._batch = self._batch, None
+        try:
+            if held[-1].is_cuda:
+                work.wait()  # device-side; the rows' read below is the step's one host sync for it
+            else:
+                work.wait(self.timeout)
+        except RuntimeError as e:
+            raise DistributedError(self._compare_failed(e)) from e
+        del work
+        let_go([t for t in held if not t.is_cuda], before)  # gloo's thread lets go of the headers first
+        rows = torch.stack(held[:-1]).tolist()
+        feeding.check(rows, dist.get_process_group_ranks(self.group), dist.get_rank(), dist.get_rank(self.group))
+
+    def _compare_failed(self, cause: BaseException) -> str:
+        return (
+            f"comparing the pipeline ranks' batches failed at step {self.step} (this is rank {dist.get_rank()}): a "
+            f"peer died, hung past the {self.timeout.total_seconds():.0f} s timeout, or is not at the same step. "
+            f"Check its log, then restart from the last checkpoint. Cause: {cause}"
+        )
+
     def _isend(self, t: torch.Tensor, peer: int, what: str) -> None:
+        self._compare()
         t = t.contiguous()
         try:
             work = dist.isend(t, dst=peer, group=self.group)
@@ -66,6 +117,7 @@ class Transport:
         return buf
 
     def _irecv(self, shape: tuple[int, ...], dtype: torch.dtype, peer: int, what: str) -> tuple[torch.Tensor, Any]:
+        self._compare()
         buf = torch.empty(shape, dtype=dtype, device=self.device)
         try:
             return buf, dist.irecv(buf, src=peer, group=self.group)
@@ -166,6 +218,7 @@ class Transport:
 
     def flush(self) -> None:
         """Wait for this step's sends (their buffers must live until they are out)."""
+        self._compare()  # a step that sent and received nothing still answers its comparison
         pending, self._pending = self._pending, []
         for work, t, what, peer in pending:
             try:
@@ -198,6 +251,7 @@ class Transport:
         """Forget in-flight sends and receives posted ahead after a failed step (the step is being abandoned)."""
         self._pending = []
         self._posted = {}
+        self._batch = None  # every pipeline rank began it: it completes without this rank waiting
 
     @property
     def posts_ahead(self) -> bool:

@@ -64,7 +64,7 @@ def choose_layout(model: nn.Module, optimizer: torch.optim.Optimizer | None,
                   ) -> tuple[WorldChoice, torch.Tensor]:
     """The world's layout for ``model`` (collective: every rank calls it) and this replica's share of the sample."""
     batch = global_batch(model, sample, pipeline)
-    coupled = batch_coupled(model)
+    coupled = batch_coupled(model, batch)
     allowed = world_microbatches(resolve_microbatches(pipeline.microbatches, pipeline.stages, coupled))
     # The default's one microbatch for exact BatchNorm math: the pipelines it rules out are shown, not run.
     withheld = [m for m in AUTO_MICROBATCHES if m not in allowed] if pipeline.microbatches is None else []

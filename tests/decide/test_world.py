@@ -57,7 +57,7 @@ def test_the_pick_is_never_slower_than_a_layout_it_timed():
 def test_a_withheld_pipeline_is_pointed_out_with_the_option_that_allows_it():
     dp = WorldRow(_pred(2, (9,), 1, 40.0), 41.0)
     held = [_pred(1, (4, 5), 4, 20.0), _pred(1, (4, 5), 2, 30.0)]
-    (note,) = _withheld_note(dp, held, "bn1")
+    (note,) = _withheld_note(dp, held, "'bn1' calls batch_norm over the batch")
     assert "dp 1 x pp 2 x 4 mb" in note and "2.00x" in note and "'bn1'" in note and "microbatches='auto'" in note
     assert _withheld_note(dp, [_pred(1, (4, 5), 4, 39.0)], "bn1") == []  # within 5%: not worth a word
     assert _withheld_note(dp, [], "bn1") == []

@@ -56,6 +56,7 @@ def test_a_count_given_by_the_user_allows_accumulation_and_the_plan_says_so():
     batches = data(n=16, steps=2)
     engine = _trained(model, batches, stages=1, microbatches=4)
     head = str(engine.plan).splitlines()[0]
-    assert "accumulation over 4 microbatches: BatchNorm normalises per microbatch (first: '1')" in head
+    assert ("accumulation over 4 microbatches, which can change the math of your step: '1' calls batch_norm over "
+            "the batch") in head
     plain_steps(ref, batches, microbatches=4)
     assert max_diff(model, ref) <= 1e-5

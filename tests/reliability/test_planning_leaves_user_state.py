@@ -108,3 +108,19 @@ def test_the_first_step_draws_the_masks_plain_pytorch_draws():
     plain_steps(ref, batches, microbatches=1, lr=0.05)
     assert max_diff(model, ref) <= 1e-6
     assert torch.equal(_next_draws(), after)
+
+
+def test_the_users_step_changes_the_users_batch_as_plain_pytorch_does():
+    # Issue 58, case 13: the plan that is the user's step (stages="auto", one microbatch) runs their forward on
+    # their batch, which it scales in place as plain PyTorch's step does (it ran a trace on a copy before).
+    torch.manual_seed(0)
+    model = ScalesInput()
+    ref = clone(model)
+    (x, y), = _batches(1)
+    mine, theirs = x.clone(), x.clone()
+    engine = _wrap(model, microbatches=1, channels_last=False, plan_budget_s=2)
+    engine.train_step(mine, y)
+    plain_steps(ref, [(theirs, y)], microbatches=1, lr=0.05)
+    assert len(engine.executor.stages) == 1
+    assert torch.equal(mine, x * 2) and torch.equal(mine, theirs)
+    assert max_diff(model, ref) <= 1e-5
