@@ -41,8 +41,11 @@ def _loop(args: argparse.Namespace) -> dict[str, object]:
     criterion = nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), 0.1, momentum=0.9, weight_decay=1e-4)
     n = args.batch * (args.steps + 1)
-    data = torch.utils.data.TensorDataset(torch.randn(n, 3, args.image_size, args.image_size),
-                                          torch.randint(0, 10, (n,)))
+    if args.image_folder:
+        data = _image_folder(args.image_folder, args.image_size)
+    else:
+        data = torch.utils.data.TensorDataset(torch.randn(n, 3, args.image_size, args.image_size),
+                                              torch.randint(0, 10, (n,)))
     loader = torch.utils.data.DataLoader(data, batch_size=args.batch, shuffle=True, num_workers=0, drop_last=True)
     engine = None
     if not args.plain:
@@ -68,10 +71,35 @@ def _loop(args: argparse.Namespace) -> dict[str, object]:
             "plan": None if engine is None else engine.plan.label}
 
 
+def write_folder(root: str, images: int, size: int, classes: int = 10) -> None:
+    """A synthetic image folder as ``torchvision.datasets.ImageFolder`` reads it: random PNGs, one folder a class."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for i in range(images):
+        folder = os.path.join(root, f"class{i % classes}")
+        os.makedirs(folder, exist_ok=True)
+        Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(os.path.join(folder, f"{i}.png"))
+
+
+def _image_folder(root: str, size: int):  # noqa: ANN202 - a torchvision dataset
+    """The ImageNet example's training set and transforms (crop, flip, to tensor, normalise) over ``root``."""
+    from .zoo import torchvision_models
+
+    torchvision_models()  # torchvision importable beside the CPU torch
+    import torchvision.datasets as datasets
+    import torchvision.transforms as transforms
+
+    normalize = transforms.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])
+    return datasets.ImageFolder(root, transforms.Compose([
+        transforms.RandomResizedCrop(size), transforms.RandomHorizontalFlip(), transforms.ToTensor(), normalize]))
+
+
 def _child(args: argparse.Namespace, plain: bool, batch: int) -> dict[str, object]:
     cmd = [sys.executable, "-m", __spec__.name, "--child", "--arch", args.arch, "--batch", str(batch),
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
-           "--image-size", str(args.image_size), "--plan-cache", args.plan_cache]
+           "--image-size", str(args.image_size), "--plan-cache", args.plan_cache, "--image-folder", args.image_folder]
     if plain:
         cmd.append("--plain")
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, env={**os.environ})
@@ -88,6 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--image-size", type=int, default=64)
     p.add_argument("--plan-cache", default="", help="a plan-cache folder (default: the user's)")
+    p.add_argument("--image-folder", default="", help="load a synthetic image folder (PNG decode, the example's "
+                                                        "transforms) made here, instead of tensors in memory")
     p.add_argument("--out", default="")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--plain", action="store_true", help=argparse.SUPPRESS)
@@ -98,6 +128,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     from .machine import describe
 
+    if args.image_folder and not os.path.isdir(args.image_folder):
+        write_folder(args.image_folder, max(int(b) for b in args.batch.split(",")) * (args.steps + 1),
+                     args.image_size * 5 // 4)
     rows = []
     for batch in (int(b) for b in args.batch.split(",")):
         _child(args, False, batch)  # the first pipedp run plans and fills the cache; the rounds replay it
@@ -109,6 +142,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"batch {batch} round {r}: plain {plain['median_s']:.4f} s, pipedp {piped['median_s']:.4f} s "
                   f"({ratio:.3f}x, {piped['plan']})", flush=True)
     result = {"machine": describe("cpu"), "arch": args.arch, "threads": args.threads, "image_size": args.image_size,
+              "data": "image folder" if args.image_folder else "tensors",
               "steps": args.steps, "warmup": args.warmup, "rows": rows}
     if args.out:
         with open(args.out, "w") as f:
