@@ -60,7 +60,7 @@ def _engine(model: nn.Module, layout: Layout, x: torch.Tensor, device: torch.dev
 def _measure(name: str, args: argparse.Namespace, device: torch.device, rank: int, world: int) -> dict[str, Any]:
     torch.manual_seed(0)
     base = get_model(name, num_classes=10, **({"width": args.width} if args.width else {})).to(device)
-    g = torch.Generator().manual_seed(rank)
+    g = torch.Generator().manual_seed(0)  # one global batch on every rank: a pipeline's ranks must be fed alike
     full = torch.randn(args.batch, 3, 32, 32, generator=g).to(device)
     labels = torch.randint(0, 10, (args.batch,), generator=g).to(device)
     prof_batch = args.batch // world
