@@ -220,17 +220,20 @@ def _timed(space: Space, clock: Measure, budget: Budget, options: PipelineOption
            warm: dict[Config, Sequence[object]] | None, owned: Clock | None, schedule: str) -> Choice:
     """The search on ``clock``, with a progress bar; the stages the trials of ``owned`` (the clock this call
     made, not an injected one) made go to ``warm``, and it is closed."""
+    # Made only when shown: a disabled tqdm still starts a monitor thread that outlives the wrap.
     bar = tqdm(desc=f"pipedp: timing plans (budget {options.plan_budget_s:g} s)", unit="trial", delay=1.0,
-               disable=not options.progress, leave=False)
+               leave=False) if options.progress else None
 
     def report(c: Config, ms: float) -> None:
-        bar.set_postfix_str(f"{c.label}: {ms:.1f} ms", refresh=False)
-        bar.update(1)
+        if bar is not None:
+            bar.set_postfix_str(f"{c.label}: {ms:.1f} ms", refresh=False)
+            bar.update(1)
 
     try:
         return replace(search(space, clock, budget, where=str(device), report=report), schedule=schedule)
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
         if owned is not None:
             if warm is not None:
                 warm.update(owned.stages)

@@ -49,7 +49,7 @@ from .config import Config
 from .decision import Choice
 from .hints import accumulation_hint, precision_hint
 from .timings import Timings, bar_of, steps_for
-from .verdict import verdict
+from .verdict import distance, verdict
 
 __all__ = ["Space", "Measure", "Budget", "search", "allowed", "MIN_TRIAL_GAIN"]
 
@@ -59,6 +59,8 @@ KERNEL_FINALISTS = 2  # the fastest eager plans also timed on tuned depthwise ke
 PRUNE_SLACK = 0.05  # a plan this much slower than the one with fewer microbatches ends that stage count's row
 RETIME_WITHIN = 0.10  # the fastest plan and the bar are timed again side by side only when this close (a bar
 # known only by its first call is timed again, warm, wherever a plan beats it: at once where by more than this)
+SETTLE_ROUNDS = 3  # alternating windows of a nearer own step and the bar before the bar may change the model
+WINDOW_STEPS = 3  # steps per window of those
 RETIME_PLANS = 0.30  # a plan timed once and this close to the fastest plan is timed again (one CPU step spreads ~20%)
 
 
@@ -176,6 +178,7 @@ def search(space: Space, measure: Measure, budget: Budget, *, margin: float = MI
     ranked = _time_kernels(space, trials, budget, ranked, margin, notes)
     late = _warm_bar(space, trials, budget, ranked, margin, owed=not early)
     warmed = late if len(trials.order) > before else early | late  # timed just before the final re-timing
+    warmed |= _settle_own(space, trials, budget)
     bar = bar_of(trials)
     # Once more side by side, so that drift during the trials favours neither: the bar where it was timed
     # before the fastest plan (where no plan was timed its figure is a minimum, so timing it again alone
@@ -220,6 +223,36 @@ def _warm_bar(space: Space, trials: Timings, budget: Budget, ranked: list[Config
             break
         trials.time(cold[0])
         timed.add(cold[0])
+    return timed
+
+
+def _settle_own(space: Space, trials: Timings, budget: Budget) -> set[Config]:
+    """Own steps nearer the user's than the bar, known by a first call only or close to it, timed warm beside it.
+
+    Where the plain step may be the plan, taking the bar's layout (or its
+    compile) over a nearer own step changes the user's model, so that rests
+    on warm timings side by side, never on a first call: a first call's
+    spread is wider than the layouts' difference (ResNet-18, batch 32 of
+    32x32, 2-core EPYC: NCHW's first call 76-100 ms beside channels_last's
+    warm 89-92 ms; channels_last then ran 1.08-1.35x NCHW's step in the
+    ImageNet example's loop). Each is timed in SETTLE_ROUNDS windows
+    alternating with the bar's, while the budget lasts, and those windows
+    alone then stand for the two, so that neither drift nor one lucky
+    window taken apart decides. Returns those timed (the bar among them).
+    """
+    timed: set[Config] = set()
+    if 1 not in space.microbatches:
+        return timed
+    bar = bar_of(trials)
+    nearer = sorted((c for c in trials.ms if c.own and c.precision is None and distance(c) < distance(bar)),
+                    key=lambda c: (distance(c), trials.best(c)))
+    for c in nearer:
+        if c not in trials.cold and trials.best(c) > trials.best(bar) * (1 + RETIME_WITHIN):
+            continue  # timed warm and clearly slower: a second timing could not make it the plan
+        if not trials.side_by_side((c, bar), SETTLE_ROUNDS, max(1, min(trials.steps, WINDOW_STEPS))):
+            break
+        timed |= {c, bar}
+        bar = bar_of(trials)
     return timed
 
 

@@ -71,6 +71,21 @@ class Timings:
         self.cold.discard(c)
         return self._heard(c, ms)
 
+    def side_by_side(self, configs: tuple[Config, ...], rounds: int, steps: int) -> bool:
+        """Time ``configs`` in ``rounds`` alternating windows of ``steps`` steps; those windows replace their
+        earlier timings (a lucky window taken apart must not outweigh them). False, with nothing replaced,
+        where the budget could not pay for every round."""
+        cost_s = rounds * steps * sum(self.best(c) * self.measure.share(c) for c in configs) / 1e3
+        if self.budget.left() < cost_s:
+            return False
+        windows: dict[Config, list[float]] = {c: [] for c in configs}
+        for _ in range(rounds):
+            for c in configs:
+                windows[c].append(self.time(c, steps))
+        for c, ms in windows.items():
+            self.ms[c] = ms
+        return True
+
     def _heard(self, c: Config, ms: float) -> float:
         if self.report is not None:
             self.report(c, ms)

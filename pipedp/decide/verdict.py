@@ -16,7 +16,7 @@ from .timings import Timings, bar_of
 if TYPE_CHECKING:
     from .search import Space
 
-__all__ = ["verdict"]
+__all__ = ["verdict", "distance"]
 
 
 def verdict(space: Space, trials: Timings, ranked: list[Config], margin: float, on: str,
@@ -56,7 +56,7 @@ def verdict(space: Space, trials: Timings, ranked: list[Config], margin: float, 
     return best, bar
 
 
-def _distance(c: Config) -> int:
+def distance(c: Config) -> int:
     """How many levers ``c`` pulls that the user's own step does not: stages, microbatches, layout, compile,
     concurrency, thread teams, tuned kernels."""
     return sum((len(c.counts) > 1, c.microbatches > 1, c.channels_last, c.compiled, c.concurrent,
@@ -73,4 +73,4 @@ def _nearest(trials: Timings, candidates: list[Config], margin: float) -> Config
     """
     fastest = min(trials.best(c) for c in candidates)
     close = [c for c in candidates if trials.best(c) <= fastest * (1 + margin)]
-    return min(close, key=lambda c: (_distance(c), len(c.counts), c.microbatches, trials.best(c)))
+    return min(close, key=lambda c: (distance(c), len(c.counts), c.microbatches, trials.best(c)))

@@ -118,7 +118,8 @@ def profile_blocks(
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
     timer = _Timer(sample.device)
     out: list[BlockProfile] = []
-    bar = tqdm(blocks, desc="pipedp: profiling blocks", unit="block", delay=1.0, disable=not progress, leave=False)
+    # No bar object at all unless asked: a disabled tqdm still starts its monitor thread, which outlives the wrap.
+    bar = tqdm(blocks, desc="pipedp: profiling blocks", unit="block", delay=1.0, leave=False) if progress else blocks
     x: Value = sample.detach()
     for i, block in enumerate(bar):
         inp = leaf(x, i > 0)

@@ -176,6 +176,28 @@ def test_first_calls_that_count_still_give_the_bar_its_best_timing():
     assert d.bar_ms == 8.0 and d.config == Config((4,), 1, channels_last=True)
 
 
+def test_the_model_changes_layout_only_on_warm_windows_side_by_side_never_on_a_first_call():
+    # The user's NCHW step is known by a slow first call (100 ms, warm 80); channels_last warm at 92 ms. Judged on
+    # that first call the plan would convert the user's model to a layout that runs slower.
+    table = {"plain": [100.0, 80.0], "plain channels_last": 92.0, "1x2": 150.0, "1x2 channels_last": 150.0}
+    d, clock = run(space(microbatches=(1, 2)), table, budget_s=30.0, warm_counts="own")
+    assert d.config == Config((4,), 1) and not d.config.channels_last and d.bar == "plain"
+    assert clock.calls["plain"] >= 4  # its first call, then its windows beside the bar's
+    # One lucky window of channels_last taken apart (70 ms) does not outweigh the windows side by side.
+    table = {"plain": [100.0, 80.0], "plain channels_last": [92.0, 70.0, 92.0], "1x2": 150.0,
+             "1x2 channels_last": 150.0}
+    d, _ = run(space(microbatches=(1, 2)), table, budget_s=30.0, warm_counts="own")
+    assert not d.config.channels_last and dict(d.trials)["plain channels_last"] == 92.0
+    # Where channels_last is faster warm, side by side, the plan takes it.
+    table = {"plain": [100.0, 95.0], "plain channels_last": 80.0, "1x2": 150.0, "1x2 channels_last": 150.0}
+    d, _ = run(space(microbatches=(1, 2)), table, budget_s=30.0, warm_counts="own")
+    assert d.config.channels_last and d.bar == "plain channels_last"
+    # Within the margin of the bar, the tie goes to the user's layout.
+    table = {"plain": [100.0, 81.0], "plain channels_last": 80.0, "1x2": 150.0, "1x2 channels_last": 150.0}
+    d, _ = run(space(microbatches=(1, 2)), table, budget_s=30.0, warm_counts="own")
+    assert not d.config.channels_last
+
+
 def test_a_runner_up_timed_once_and_close_to_the_fastest_plan_is_timed_again():
     # Steps of seconds and a 30 s budget: one timed step per trial. One noisy step had 1x4 slower than 1x2;
     # its second timing shows it is the faster plan.

@@ -124,3 +124,31 @@ def test_the_users_step_changes_the_users_batch_as_plain_pytorch_does():
     assert len(engine.executor.stages) == 1
     assert torch.equal(mine, x * 2) and torch.equal(mine, theirs)
     assert max_diff(model, ref) <= 1e-5
+
+
+def _process_state() -> dict[str, object]:
+    """What a plan could leave on the process and slow the user's own code beside it (issue 58, case 12)."""
+    import gc
+    import sys
+    import threading
+
+    return {"threads": torch.get_num_threads(), "interop": torch.get_num_interop_threads(),
+            "grad": torch.is_grad_enabled(), "deterministic": torch.are_deterministic_algorithms_enabled(),
+            "anomaly": torch.is_anomaly_enabled(), "mkldnn": torch.backends.mkldnn.enabled,
+            "dtype": torch.get_default_dtype(), "matmul": torch.get_float32_matmul_precision(),
+            "autocast": torch.is_autocast_enabled("cpu"), "inference": torch.is_inference_mode_enabled(),
+            "switch": sys.getswitchinterval(), "gc": (gc.isenabled(), gc.get_threshold()),
+            "live threads": sorted(t.name for t in threading.enumerate())}
+
+
+def test_a_timed_plan_leaves_the_process_settings_and_threads_as_it_found_them():
+    # stages="auto" with progress off: trials, a profile and the step, and then the process is as before -
+    # no thread left running (a disabled tqdm bar still started a monitor thread), no setting changed.
+    torch.manual_seed(0)
+    before = _process_state()
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(), nn.Linear(8, 10))
+    engine = _wrap(model, plan_budget_s=2)
+    (x, y), = _batches(1)
+    engine.train_step(x, y)
+    assert _process_state() == before
