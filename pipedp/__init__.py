@@ -9,6 +9,8 @@ torchrun it runs data parallel x pipeline over ``torch.distributed``.
 
 __version__ = "0.1.0"
 
+from typing import TYPE_CHECKING  # noqa: E402
+
 from . import data  # noqa: E402
 from .api import inspect, wrap  # noqa: E402
 from .distributed import DistributedError  # noqa: E402
@@ -17,7 +19,20 @@ from .options import (  # noqa: E402
     ConcurrencyOptions, DataParallelOptions, KernelOptions, PipelineOptions, TrainingOptions,
 )
 from .plan import Plan, StagePlan  # noqa: E402
-from .advisor import advise  # noqa: E402
+
+if TYPE_CHECKING:
+    from .advisor import advise
+
+_ADD_ONS = {"advise": "advisor"}  # public names whose sub-package loads on first use, not with ``import pipedp``
+
+
+def __getattr__(name: str) -> object:
+    """``pipedp.advise``: the advisor (resources x batch size) is an add-on the training path never needs."""
+    if name in _ADD_ONS:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_ADD_ONS[name]}", __name__), name)
+    raise AttributeError(f"module 'pipedp' has no attribute {name!r}")
 
 __all__ = [
     "wrap", "inspect", "Engine", "PipelineOptions", "DataParallelOptions", "KernelOptions", "TrainingOptions", "Plan", "StagePlan",

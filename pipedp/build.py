@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -47,10 +47,8 @@ from .partition.check import check_chain
 from .partition.parts import Parts
 from .partition.reads import BakedReads, baked_reads
 from .partition.profile import BlockProfile
-from .partition.threads import concurrent_times
 from .pipeline import microbatch
 from .pipeline.batchnorm import DeferredBatchNorm, batchnorms_in_several, deferred_in
-from .pipeline.concurrency import Concurrency, connect, install
 from .pipeline.executor import Executor
 from .pipeline.gradsync import GradSync
 from .pipeline.p2p import Transport
@@ -59,6 +57,9 @@ from .pipeline.stage import Stage
 from .plan import Plan
 from .snapshot import BufferSnapshot
 from .trials.built import BuiltTrials
+
+if TYPE_CHECKING:
+    from .pipeline.concurrency import Concurrency
 
 __all__ = ["Pipeline", "build_pipeline", "sample_batch"]
 
@@ -191,6 +192,8 @@ def lower_pipeline(model: nn.Module, parts: Parts, profiles: Sequence[BlockProfi
             raise ValueError(f"{len(shared)} BatchNorm module(s) are used by several stages, which would update them "
                              f"from concurrent CPU stages at once: pass threads=None (stages in order), or a cut "
                              f"(stages=[block counts]) that keeps each BatchNorm's uses in one stage")
+        from .partition.threads import concurrent_times  # CPU thread teams: an add-on, loaded where used
+
         plan = plan.with_threads(list(decision.threads), *concurrent_times(profiles, counts, decision.schedule,
                                                                            decision.microbatches))
     deferred = _batchnorm(model, executor, levers.batchnorm)
@@ -199,8 +202,13 @@ def lower_pipeline(model: nn.Module, parts: Parts, profiles: Sequence[BlockProfi
             st.body.paused.append(deferred)  # a recomputed forward must not record statistics again
     sync = comm.grad_sync(executor.stages)
     # Last (nothing after it can fail), after profiling and trials, which time the model as it is.
-    concurrent = install(executor, levers) if levers.branches or levers.split_grads else None
-    connect(executor, sync)
+    concurrent = None
+    if levers.branches or levers.split_grads:  # an add-on: loaded only where a plan uses it
+        from .pipeline.concurrency import install
+
+        concurrent = install(executor, levers)
+    if sync is not None:
+        sync.follow_lanes(executor)
     if concurrent is not None:
         plan = replace(plan, notes=(*plan.notes, *concurrent.notes()))
     return Pipeline(

@@ -187,6 +187,36 @@ def test_training_loads_no_compiler_and_no_experiments(tmp_path):
     assert "loaded: []" in done.stdout, done.stdout
 
 
+# The add-ons stay at the edge (issue 59): the advisor, CPU thread teams and the concurrency pieces load when used.
+ADD_ONS = ("pipedp.advisor", "pipedp.partition.threads", "pipedp.decide.cpu", "pipedp.pipeline.concurrency",
+           "pipedp.pipeline.branches", "pipedp.forecast")
+TRAIN_PLAIN = """
+import sys
+
+import torch
+from torch import nn
+
+import pipedp
+
+up = sys.argv[1].split(",")
+after_import = sorted(m for m in sys.modules if any(m == p or m.startswith(p + ".") for p in up))
+model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                      nn.Flatten(), nn.Linear(8, 4))
+engine = pipedp.wrap(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=nn.CrossEntropyLoss(),
+                     stages=2, microbatches=2, progress=False, plan_cache=False)
+engine.train_step(torch.randn(4, 3, 8, 8), torch.randint(0, 4, (4,)))
+after_step = sorted(m for m in sys.modules if any(m == p or m.startswith(p + ".") for p in up))
+print("import:", after_import, "step:", after_step, "advise:", callable(pipedp.advise))
+"""
+
+
+def test_import_and_a_two_stage_step_load_no_add_on(tmp_path):
+    done = subprocess.run([sys.executable, "-c", TRAIN_PLAIN, ",".join(ADD_ONS)], cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "import: [] step: [] advise: True" in done.stdout, done.stdout
+
+
 # The planner (pipedp.decide) and the runtime import each other nowhere: decide weighs plans through the protocols
 # of pipedp.decide.measuring, which pipedp.trials implements on the lowering. The runtime is the lowering, the build,
 # the step, the engine, the trials and every pipeline module but the schedules-as-data the planner simulates.

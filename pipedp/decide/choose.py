@@ -29,12 +29,10 @@ from ..partition.blocks import module_mode
 from ..partition.parts import Parts, measurable
 from ..partition.balance import balance
 from ..partition.profile import BlockProfile, estimate_blocks, profile_blocks
-from ..partition.threads import concurrent_cpu
 from ..pipeline import microbatch
 from ..snapshot import preserved_state
 from .config import Config
 from .coupling import Resolved, resolve_microbatches
-from .cpu import decide_cpu
 from .cut import AUTO_MICROBATCHES, MAX_TRIAL_STAGES, resolve_counts, untimed_microbatches
 from .decision import Choice, Decision
 from .schedules import AUTO, choose_schedule, fixed
@@ -155,7 +153,11 @@ def decide(parts: Parts, model: nn.Module, sample: torch.Tensor, batch: torch.Te
     with preserved_state(model, devices), module_mode(model, training=True), torch.enable_grad():
         blocks = measurable(parts.blocks)
         # Which way decides (see the module doc); an injected clock times on any rank.
-        threaded = given is None and concurrent_cpu(options.threads, devices, comm.world)
+        threaded = False
+        if given is None and options.threads is not None:  # CPU thread teams: an add-on, loaded where asked for
+            from ..partition.threads import concurrent_cpu
+
+            threaded = concurrent_cpu(options.threads, devices, comm.world)
         by_trials = (given is None and not threaded
                      and timed(options, devices, comm.pp, comm.world if measure is None else 1))
         # A given cut (block counts, one stage, the layout pp="auto" chose) outside trials and thread teams needs
@@ -183,6 +185,8 @@ def decide(parts: Parts, model: nn.Module, sample: torch.Tensor, batch: torch.Te
                             (f"pp=auto: {given.label}, the world's layout (engine.world.table() says how it was "
                              f"chosen)",), schedule=given.schedule)
         elif threaded:
+            from .cpu import decide_cpu
+
             profiles, choice = decide_cpu(parts, blocks, profiles, sample, batch, options,
                                           _needed(trials).thread_plan_ms, choices, training.channels_last is True,
                                           compiled=training.compile is True, schedule=fixed(options.schedule))

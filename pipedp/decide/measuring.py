@@ -8,11 +8,13 @@ build makes: decide/ never imports the lowering or the runtime.
 
 from __future__ import annotations
 
-from typing import Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Mapping, Protocol, Sequence
 
-from ..partition.threads import CpuPlan
 from .config import Config
 from .search import Measure
+
+if TYPE_CHECKING:
+    from ..partition.threads import CpuPlan
 
 __all__ = ["Clock", "KernelSwitch", "Trials", "World"]
 

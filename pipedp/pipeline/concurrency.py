@@ -22,7 +22,7 @@ from .executor import Executor
 if TYPE_CHECKING:
     from .gradsync import GradSync
 
-__all__ = ["Concurrency", "Pieces", "install", "connect"]
+__all__ = ["Concurrency", "Pieces", "install"]
 
 
 class Pieces(Protocol):
@@ -72,14 +72,3 @@ def install(executor: Executor, pieces: Pieces) -> Concurrency:
             for st in executor.stages:
                 executor.lanes.extra.setdefault(st.index, []).append(done.branches.lanes.by_stage[st.index])
     return done
-
-
-def connect(executor: Executor, sync: GradSync | None) -> None:
-    """A bucket's gradients may come from the stage's lane or a side lane, in any order on the host: the gradient
-    sync waits for all of them before it launches one."""
-    if sync is None:
-        return
-    for pos, st in enumerate(executor.stages):
-        extra = executor.lanes.of_stage(st.index)
-        if extra:
-            sync.after[pos] = [st.lane, *extra]

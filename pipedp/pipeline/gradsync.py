@@ -63,7 +63,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import time
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -76,6 +76,9 @@ from .buckets import FIRST_BUCKET_BYTES, Bucket, layout_stamp, pack, same_stamp
 from .stream import Lane, current_lane, new_lane
 from .sync_stats import SyncStats, union_ms
 from .trace import Clock
+
+if TYPE_CHECKING:
+    from .executor import Executor
 
 __all__ = ["GradSync", "DEFAULT_BUCKET_BYTES"]
 
@@ -161,6 +164,14 @@ class GradSync:
             self._stamps[dev] = torch.tensor(stamp, dtype=torch.float64).to(dev)
 
     # -- per step -------------------------------------------------------------------------------
+    def follow_lanes(self, executor: Executor) -> None:
+        """A bucket's gradients may come from the stage's lane or a side lane, in any order on the host: the sync
+        waits for all of them before it launches one."""
+        for pos, st in enumerate(executor.stages):
+            extra = executor.lanes.of_stage(st.index)
+            if extra:
+                self.after[pos] = [st.lane, *extra]
+
     def attach(self) -> None:
         """Start a step with no gradients: each one's first accumulation is copied into its bucket (before a step).
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 from torch import nn
@@ -16,9 +16,11 @@ from ..decide.schedules import fixed
 from ..lower import make_executor, trial
 from ..options import ConcurrencyOptions, PipelineOptions, TrainingOptions
 from ..partition.parts import Parts
-from ..partition.threads import CpuPlan, step_ms
 from ..pipeline import microbatch
 from .clock import DeviceClock
+
+if TYPE_CHECKING:
+    from ..partition.threads import CpuPlan
 
 __all__ = ["BuiltTrials"]
 
@@ -47,4 +49,6 @@ class BuiltTrials:
             xs = microbatch.split(self.batch, plan.microbatches)
             w = microbatch.shares([t.shape[0] for t in xs])
             self.runs[plan] = trial(ex, self.parts, xs, xs, w)
+        from ..partition.threads import step_ms  # CPU thread teams: an add-on, loaded where asked for
+
         return step_ms(self.runs[plan], warmup=False)

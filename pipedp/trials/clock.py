@@ -32,7 +32,6 @@ from ..lower import in_layout, make_executor, set_layout, trial
 from ..options import AUTOCAST_DTYPES, ConcurrencyOptions, PipelineOptions, TrainingOptions
 from ..partition.parts import OneTensor, Parts, surrogate_loss
 from ..pipeline import microbatch
-from ..pipeline.concurrency import install
 from ..pipeline.graphed import captured_call
 from ..pipeline.stage import Stage
 
@@ -188,6 +187,8 @@ class DeviceClock:
         w = microbatch.shares([t.shape[0] for t in xs])
         undo = None
         if planned.settled.branches or planned.settled.split_grads:
+            from ..pipeline.concurrency import install  # an add-on: loaded where a trial uses it
+
             undo = install(ex, planned.settled).undo
         elif config.compiled:
             self.stages[config] = list(ex.stages)
