@@ -178,7 +178,7 @@ def search(space: Space, measure: Measure, budget: Budget, *, margin: float = MI
     ranked = _time_kernels(space, trials, budget, ranked, margin, notes)
     late = _warm_bar(space, trials, budget, ranked, margin, owed=not early)
     warmed = late if len(trials.order) > before else early | late  # timed just before the final re-timing
-    warmed |= _settle_own(space, trials, budget)
+    warmed |= _settle_own(space, trials, ranked, margin)
     bar = bar_of(trials)
     # Once more side by side, so that drift during the trials favours neither: the bar where it was timed
     # before the fastest plan (where no plan was timed its figure is a minimum, so timing it again alone
@@ -226,30 +226,37 @@ def _warm_bar(space: Space, trials: Timings, budget: Budget, ranked: list[Config
     return timed
 
 
-def _settle_own(space: Space, trials: Timings, budget: Budget) -> set[Config]:
+def _settle_own(space: Space, trials: Timings, ranked: list[Config], margin: float) -> set[Config]:
     """Own steps nearer the user's than the bar, known by a first call only or close to it, timed warm beside it.
 
-    Where the plain step may be the plan, taking the bar's layout (or its
-    compile) over a nearer own step changes the user's model, so that rests
-    on warm timings side by side, never on a first call: a first call's
-    spread is wider than the layouts' difference (ResNet-18, batch 32 of
-    32x32, 2-core EPYC: NCHW's first call 76-100 ms beside channels_last's
-    warm 89-92 ms; channels_last then ran 1.08-1.35x NCHW's step in the
-    ImageNet example's loop). Each is timed in SETTLE_ROUNDS windows
-    alternating with the bar's, while the budget lasts, and those windows
-    alone then stand for the two, so that neither drift nor one lucky
-    window taken apart decides. Returns those timed (the bar among them).
+    Where the plain step is to be the plan (no plan beats the bar by
+    ``margin``), taking the bar's layout (or its compile) over a nearer own
+    step changes the user's model, so that rests on warm timings side by
+    side, never on a first call: a first call's spread is wider than the
+    layouts' difference (ResNet-18, batch 32 of 32x32, 2-core EPYC: NCHW's
+    first call 76-100 ms beside channels_last's warm 89-92 ms; channels_last
+    then ran 1.08-1.35x NCHW's step in the ImageNet example's loop). Each is
+    timed in SETTLE_ROUNDS windows alternating with the bar's, while the
+    budget lasts beyond the final re-timing's room, and those windows alone
+    then stand for the two, so that neither drift nor one lucky window taken
+    apart decides. Under ``kernels="tvm"`` the plan is never the user's own
+    step, so nothing is settled. Returns those timed (the bar among them).
     """
     timed: set[Config] = set()
-    if 1 not in space.microbatches:
+    if 1 not in space.microbatches or space.walk_kernels:
         return timed
     bar = bar_of(trials)
+    if ranked and trials.best(ranked[0]) <= trials.best(bar) * (1 - margin):
+        return timed  # a plan wins: the bar's layout is the plan's, and a settled bar could not change that
     nearer = sorted((c for c in trials.ms if c.own and c.precision is None and distance(c) < distance(bar)),
                     key=lambda c: (distance(c), trials.best(c)))
+    steps = max(1, min(trials.steps, WINDOW_STEPS))
     for c in nearer:
+        if c == bar or distance(c) >= distance(bar):
+            continue  # the bar moved to it, or to one as near: nothing nearer to settle against
         if c not in trials.cold and trials.best(c) > trials.best(bar) * (1 + RETIME_WITHIN):
             continue  # timed warm and clearly slower: a second timing could not make it the plan
-        if not trials.side_by_side((c, bar), SETTLE_ROUNDS, max(1, min(trials.steps, WINDOW_STEPS))):
+        if not trials.side_by_side((c, bar), SETTLE_ROUNDS, steps, keep_s=trials.reserve_s()):
             break
         timed |= {c, bar}
         bar = bar_of(trials)

@@ -71,12 +71,12 @@ class Timings:
         self.cold.discard(c)
         return self._heard(c, ms)
 
-    def side_by_side(self, configs: tuple[Config, ...], rounds: int, steps: int) -> bool:
+    def side_by_side(self, configs: tuple[Config, ...], rounds: int, steps: int, keep_s: float = 0.0) -> bool:
         """Time ``configs`` in ``rounds`` alternating windows of ``steps`` steps; those windows replace their
-        earlier timings (a lucky window taken apart must not outweigh them). False, with nothing replaced,
-        where the budget could not pay for every round."""
+        earlier timings (a lucky window taken apart must not outweigh them). False, with nothing timed, where
+        the budget could not pay for every round and still keep ``keep_s`` seconds."""
         cost_s = rounds * steps * sum(self.best(c) * self.measure.share(c) for c in configs) / 1e3
-        if self.budget.left() < cost_s:
+        if self.budget.left() < cost_s + keep_s:
             return False
         windows: dict[Config, list[float]] = {c: [] for c in configs}
         for _ in range(rounds):

@@ -4,8 +4,8 @@
 branches (a block's forward on two lanes). Split weight gradients need no
 installing: the lowering gives each backward as I then W and the executor
 runs W on the stage's side lane (``Executor(side_weights=True)``).
-:func:`connect` tells the gradient sync which lanes a stage's gradients are
-accumulated on; the executor's end-of-step join and an early update read
+:meth:`~pipedp.pipeline.gradsync.GradSync.follow_lanes` tells the gradient sync which lanes a
+stage's gradients are accumulated on; the executor's end-of-step join and an early update read
 them from :meth:`~pipedp.pipeline.lanes.RankLanes.of_stage`. The early update itself needs the
 optimizer and is made by the engine
 (:class:`~pipedp.pipeline.early_update.EarlyUpdate`).
@@ -14,13 +14,10 @@ optimizer and is made by the engine
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from .branches import Branches, concurrent_branches
 from .executor import Executor
-
-if TYPE_CHECKING:
-    from .gradsync import GradSync
 
 __all__ = ["Concurrency", "Pieces", "install"]
 

@@ -198,6 +198,17 @@ def test_the_model_changes_layout_only_on_warm_windows_side_by_side_never_on_a_f
     assert not d.config.channels_last
 
 
+def test_where_a_plan_wins_or_the_budget_is_short_the_own_steps_are_not_settled():
+    # A plan beats the channels_last bar by far: the plain step cannot be the plan, so NCHW's first call stands.
+    table = {"plain": [100.0, 80.0], "plain channels_last": 92.0, "1x2": 150.0, "1x2 channels_last": 40.0}
+    d, clock = run(space(microbatches=(1, 2)), table, budget_s=30.0, warm_counts="own")
+    assert d.chosen == "1x2 channels_last" and clock.calls["plain"] <= 2  # its first call, one warm timing at most
+    # Where the windows and the final re-timing's room do not fit what is left, nothing is settled.
+    table = {"plain": [100.0, 80.0], "plain channels_last": 92.0, "1x2": 150.0, "1x2 channels_last": 150.0}
+    d, clock = run(space(microbatches=(1, 2)), table, budget_s=0.5, warm_counts="own")
+    assert clock.calls["plain"] == 1 and clock.time.t <= 0.5 + 0.25  # the final re-timing at most past it
+
+
 def test_a_runner_up_timed_once_and_close_to_the_fastest_plan_is_timed_again():
     # Steps of seconds and a 30 s budget: one timed step per trial. One noisy step had 1x4 slower than 1x2;
     # its second timing shows it is the faster plan.
