@@ -23,16 +23,16 @@ from .plan import Plan, StagePlan  # noqa: E402
 if TYPE_CHECKING:
     from .advisor import advise
 
-_ADD_ONS = {"advise": "advisor"}  # public names whose sub-package loads on first use, not with ``import pipedp``
-
 
 def __getattr__(name: str) -> object:
-    """``pipedp.advise``: the advisor (resources x batch size) is an add-on the training path never needs."""
-    if name in _ADD_ONS:
-        import importlib
+    """``pipedp.advise``: the advisor (resources x batch size) is an add-on, loaded on first use, not with
+    ``import pipedp``."""
+    if name == "advise":
+        from .advisor import advise
 
-        return getattr(importlib.import_module(f".{_ADD_ONS[name]}", __name__), name)
+        return advise
     raise AttributeError(f"module 'pipedp' has no attribute {name!r}")
+
 
 __all__ = [
     "wrap", "inspect", "Engine", "PipelineOptions", "DataParallelOptions", "KernelOptions", "TrainingOptions", "Plan", "StagePlan",

@@ -248,7 +248,7 @@ def _settle_own(space: Space, trials: Timings, ranked: list[Config], margin: flo
     bar = bar_of(trials)
     if ranked and trials.best(ranked[0]) <= trials.best(bar) * (1 - margin):
         return timed  # a plan wins: the bar's layout is the plan's, and a settled bar could not change that
-    nearer = sorted((c for c in trials.ms if c.own and c.precision is None and distance(c) < distance(bar)),
+    nearer = sorted((c for c in trials.ms if c.own and c.precision is None),
                     key=lambda c: (distance(c), trials.best(c)))
     steps = max(1, min(trials.steps, WINDOW_STEPS))
     for c in nearer:
